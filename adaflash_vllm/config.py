@@ -1,0 +1,198 @@
+"""The `adaflash` section of adaflash.json: typed structs, loading and validation.
+
+adaflash.json is one speculative config: vLLM's own keys (`method`, `model`,
+`num_speculative_tokens`, ...) plus an `"adaflash"` section. The plugin strips the
+section before vLLM sees the rest, decodes it into `AdaFlashConfig` (unknown keys
+fail with the list of valid ones) and carries it to the engine core and every
+worker in `VllmConfig.additional_config["adaflash"]`.
+
+Every key here is documented in docs/CONFIG.md; tests/test_config.py keeps the two in
+sync.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from adaflash_vllm.errors import AdaFlashConfigError
+
+ADAFLASH_KEY = "adaflash"
+"""Name of the section in adaflash.json and of the `additional_config` entry."""
+RUNTIME_KEY = "adaflash_runtime"
+"""`additional_config` entry with values the plugin derives (not user keys)."""
+MAX_SPEC_TOKENS = 32
+"""Upper bound on num_speculative_tokens we accept (vLLM's sampler allows 128)."""
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config struct: immutable, keyword-only, no unknown keys."""
+
+
+class LengthConfig(_Struct):
+    """How many of the K drafted tokens each request sends to verification."""
+
+    mode: Literal["fixed", "debug_ragged"] = "fixed"
+    # fixed: every request verifies all K drafts (stock DFlash behaviour).
+    # debug_ragged: k_i drawn deterministically from hash(req_id, round) in [0, K];
+    #   exercises ragged verification (including k_i = 0) end to end.
+
+
+class MetricsConfig(_Struct):
+    """AdaFlash counters on vLLM's /metrics (and LLM.get_metrics())."""
+
+    publish_interval_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
+    # The engine core publishes its counters at most this often (0 = every step).
+
+
+class AdaFlashConfig(_Struct):
+    """The whole `"adaflash"` section; `{}` turns AdaFlash on with defaults."""
+
+    length: LengthConfig = msgspec.field(default_factory=LengthConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    per_request_metrics: Literal["none", "summary", "detailed"] = "summary"
+    # Sets vLLM's --per-request-spec-decode-metrics unless given explicitly.
+
+
+class RuntimeInfo(_Struct):
+    """Values the plugin derives at startup and ships next to the user's section."""
+
+    num_speculative_tokens: int
+    stats_path: str  # file the engine core publishes AdaFlash counters to
+
+
+def iter_config_keys(cls: type = AdaFlashConfig, prefix: str = ADAFLASH_KEY):
+    """Yield the dotted path of every leaf key, e.g. `adaflash.length.mode`."""
+    for field in msgspec.structs.fields(cls):
+        path = f"{prefix}.{field.name}"
+        if _struct_type(field.type) is not None:
+            yield from iter_config_keys(_struct_type(field.type), path)
+        else:
+            yield path
+
+
+def _struct_type(tp: Any) -> type | None:
+    return tp if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else None
+
+
+def _check_keys(data: Any, cls: type, path: str) -> None:
+    """Reject unknown keys with the list of valid ones (msgspec names only one)."""
+    if not isinstance(data, dict):
+        raise AdaFlashConfigError(
+            f"`{path}` must be a JSON object, got {type(data).__name__}: {data!r}"
+        )
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise AdaFlashConfigError(
+                f"unknown key `{path}.{key}`.{hint} "
+                f"Valid keys in `{path}`: {', '.join(sorted(fields))}."
+            )
+        sub = _struct_type(fields[key].type)
+        if sub is not None:
+            _check_keys(value, sub, f"{path}.{key}")
+
+
+def parse_adaflash_section(section: Any) -> AdaFlashConfig:
+    """Decode and validate the `"adaflash"` section.
+
+    Raises:
+        AdaFlashConfigError: unknown key (with the valid ones) or a bad value
+            (with its JSON path and the constraint it broke).
+
+    Example:
+        >>> parse_adaflash_section({"length": {"mode": "fixed"}}).length.mode
+        'fixed'
+    """
+    _check_keys(section, AdaFlashConfig, ADAFLASH_KEY)
+    try:
+        return msgspec.convert(section, AdaFlashConfig)
+    except msgspec.ValidationError as e:
+        msg = str(e).replace("`$", f"`{ADAFLASH_KEY}")
+        raise AdaFlashConfigError(f"invalid adaflash config: {msg}") from None
+
+
+def read_speculative_config(value: str | dict | None) -> dict | None:
+    """Turn what a user passed as the speculative config into a dict.
+
+    Accepts a dict, an inline JSON object, or a path to a JSON file. A relative
+    drafter `model` path in a file is resolved against the file's folder when it
+    exists there, so `examples/adaflash.json` works from any working directory.
+    """
+    if value is None or isinstance(value, dict):
+        return None if value is None else dict(value)
+    if not isinstance(value, str):
+        raise AdaFlashConfigError(
+            f"speculative config must be a dict, JSON text or a path to a JSON "
+            f"file, got {type(value).__name__}"
+        )
+    text = value.strip()
+    if text.startswith("{"):
+        return _loads(text, "inline --speculative-config JSON")
+    path = Path(os.path.expanduser(text))
+    if not path.is_file():
+        raise AdaFlashConfigError(
+            f"speculative config file not found: {text!r} (cwd {os.getcwd()}). "
+            "Pass a path to adaflash.json or inline JSON starting with '{'."
+        )
+    spec = _loads(path.read_text(encoding="utf-8"), str(path))
+    if not isinstance(spec, dict):
+        raise AdaFlashConfigError(f"{path}: the top level must be a JSON object")
+    model = spec.get("model")
+    if isinstance(model, str) and not os.path.isabs(model):
+        candidate = path.parent / model
+        if candidate.exists():
+            spec["model"] = str(candidate.resolve())
+    return spec
+
+
+def _loads(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdaFlashConfigError(
+            f"{where} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+
+
+def split_adaflash_section(spec: dict) -> tuple[dict, AdaFlashConfig | None]:
+    """Split adaflash.json into (vLLM's speculative dict, our config or None)."""
+    spec = dict(spec)
+    if ADAFLASH_KEY not in spec:
+        return spec, None
+    section = spec.pop(ADAFLASH_KEY)
+    cfg = parse_adaflash_section({} if section is None else section)
+    method = spec.setdefault("method", "dflash")
+    if method != "dflash":
+        raise AdaFlashConfigError(
+            f'AdaFlash serves DFlash drafters: set "method": "dflash" (got {method!r})'
+            ' or remove the "adaflash" section.'
+        )
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+        raise AdaFlashConfigError(
+            f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_TOKENS}] "
+            f"(got {k!r}); for a block-16 DFlash drafter use 15."
+        )
+    return spec, cfg
+
+
+def config_from_additional(additional: dict | None) -> AdaFlashConfig | None:
+    """The AdaFlash config carried in `VllmConfig.additional_config`, if any."""
+    if not additional or ADAFLASH_KEY not in additional:
+        return None
+    return msgspec.convert(additional[ADAFLASH_KEY], AdaFlashConfig)
+
+
+def runtime_from_additional(additional: dict | None) -> RuntimeInfo | None:
+    if not additional or RUNTIME_KEY not in additional:
+        return None
+    return msgspec.convert(additional[RUNTIME_KEY], RuntimeInfo)

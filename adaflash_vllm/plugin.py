@@ -1,0 +1,26 @@
+"""vLLM general-plugin entry point (`vllm.general_plugins` -> `adaflash`).
+
+vLLM calls `register()` in every process it starts (API server, engine core,
+workers), possibly more than once; everything here is idempotent and cheap.
+"""
+
+from __future__ import annotations
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the AdaFlash drafter architecture and apply the engine patches."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm import ModelRegistry
+
+    from adaflash_vllm import patches
+    from adaflash_vllm.proposers.model import ADAFLASH_ARCH
+
+    ModelRegistry.register_model(
+        ADAFLASH_ARCH, "adaflash_vllm.proposers.model:AdaFlashDFlashForCausalLM"
+    )
+    patches.apply_engine_patches()
+    _REGISTERED = True

@@ -1,0 +1,135 @@
+"""AdaFlashScheduler: vLLM's scheduler plus per-request, per-round draft bookkeeping.
+
+A *round* is one decode step of one request: the target verified `1 + k` tokens
+(the last accepted token plus k drafts) and accepted `a <= k` drafts. For every
+request the scheduler keeps its rounds as (position, k, a), where position is the
+number of tokens the request had before the round (so the round's first new token
+lands at index `position`). Counters go to /metrics through `metrics.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from typing_extensions import override
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from adaflash_vllm.config import config_from_additional, runtime_from_additional
+from adaflash_vllm.metrics import RoundStats, StatsPublisher
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RequestRounds:
+    """The rounds of one request, in order."""
+
+    positions: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)  # k_i verified per round
+    num_accepted: list[int] = field(default_factory=list)
+
+    def add(self, position: int, num_drafts: int, num_accepted: int) -> None:
+        self.positions.append(position)
+        self.num_drafts.append(num_drafts)
+        self.num_accepted.append(num_accepted)
+
+
+class AdaFlashScheduler(Scheduler):
+    """Records every verification round; everything else is vLLM's scheduler."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        additional = self.vllm_config.additional_config
+        self.adaflash = config_from_additional(additional)
+        runtime = runtime_from_additional(additional)
+        k = self.vllm_config.speculative_config.num_speculative_tokens
+        self.round_stats = RoundStats(k)
+        self.rounds: dict[str, RequestRounds] = {}
+        self._publisher = (
+            StatsPublisher(runtime.stats_path, self.adaflash.metrics.publish_interval_s)
+            if runtime is not None and self.adaflash is not None
+            else None
+        )
+        logger.info("AdaFlash scheduler active (K=%d, config %s)", k, self.adaflash)
+
+    @override
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+    ) -> dict[int, EngineCoreOutputs]:
+        before = self._decode_rounds_before(scheduler_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._record_rounds(before, model_runner_output)
+        finished = self._forget_finished(before)
+        if self._publisher is not None:
+            # Publish at once when a request ends, so clients that read /metrics
+            # right after their response see its rounds.
+            self._publisher.maybe_publish(self.round_stats, force=finished > 0)
+        return outputs
+
+    def _decode_rounds_before(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, tuple[Request, int, int | None]]:
+        """req_id -> (request, position, k) for each request scheduled in this step;
+        k is None when the step is a prefill chunk, not a round."""
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        rounds = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            # A round verifies drafts proposed after the request's previous token;
+            # prefill chunks (no output yet) are not rounds.
+            k = len(spec.get(req_id, ())) if request.num_output_tokens > 0 else None
+            rounds[req_id] = (request, request.num_tokens, k)
+        return rounds
+
+    def _record_rounds(
+        self,
+        before: dict[str, tuple[Request, int, int | None]],
+        model_runner_output: ModelRunnerOutput,
+    ) -> None:
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        for req_id, (_, position, k) in before.items():
+            i = index.get(req_id)
+            generated = sampled[i] if (sampled and i is not None) else []
+            if k is None or not generated:  # prefill, or discarded (preempted)
+                continue
+            accepted = min(len(generated) - 1, k)
+            self.rounds.setdefault(req_id, RequestRounds()).add(position, k, accepted)
+            self.round_stats.observe_round(k, accepted)
+
+    def _forget_finished(
+        self, before: dict[str, tuple[Request, int, int | None]]
+    ) -> int:
+        finished = 0
+        for request, _, _ in before.values():
+            if request.is_finished():
+                self.on_request_finished(request)
+                finished += 1
+        return finished
+
+    def on_request_finished(self, request: Request) -> None:
+        """Called once per finished request; drops its rounds."""
+        self.round_stats.requests_finished += 1
+        self.rounds.pop(request.request_id, None)
+
+    @override
+    def finish_requests(self, request_ids, finished_status) -> list[Request]:
+        aborted = super().finish_requests(request_ids, finished_status)
+        for request in aborted:
+            self.on_request_finished(request)
+        return aborted
+
+    @override
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.maybe_publish(self.round_stats, force=True)
+        super().shutdown()

@@ -1,0 +1,42 @@
+"""AdaFlashWorkerExtension: methods vLLM mixes into every worker (via
+`worker_extension_cls`), callable with `LLM.collective_rpc` / `POST /collective_rpc`.
+
+Importing this module applies the worker-side patches (see `patches.py`): vLLM
+imports it in a worker only when AdaFlash is on, before the model runner exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adaflash_vllm import patches
+
+patches.apply_worker_patches()
+
+
+class AdaFlashWorkerExtension:
+    """RPCs on the worker; `self` is vLLM's worker."""
+
+    def adaflash_info(self) -> dict[str, Any]:
+        """Which proposer and drafter classes run, and the drafter's version."""
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None)
+        model = getattr(drafter, "model", None)
+        return {
+            "proposer": type(drafter).__name__,
+            "drafter_model": type(model).__name__,
+            "drafter_version": getattr(model, "drafter_version", None),
+            "num_speculative_tokens": getattr(drafter, "num_speculative_tokens", None),
+            "patches": sorted(patches._APPLIED),
+        }
+
+    def adaflash_capture_drafts(self, enable: bool) -> None:
+        """Start/stop recording each propose (ids, positions, draft logits)."""
+        self.model_runner.drafter.capture_drafts(enable)
+
+    def adaflash_take_captures(self) -> list[dict]:
+        drafter = self.model_runner.drafter
+        captures = drafter.captures or []
+        if drafter.captures is not None:
+            drafter.captures = []
+        return captures

@@ -1,0 +1,1 @@
+"""Triton kernels for the distillation math, each with a torch reference."""

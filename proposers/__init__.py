@@ -1,0 +1,1 @@
+"""vLLM-side DFlash drafter model, length head, budget policies and proposer."""

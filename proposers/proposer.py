@@ -1,0 +1,107 @@
+"""AdaFlashProposer: vLLM's DFlash proposer with per-request draft budgets.
+
+The DFlash forward always drafts K tokens per request (one parallel pass). A budget
+policy then picks k_i <= K per request; `take_budgets()` hands them to the runner's
+`take_draft_token_ids` (patched in `patches.py`), which trims each request's drafts
+before the scheduler sees them. The scheduler then schedules `1 + k_i` tokens per
+request and the target verifies a ragged, packed batch.
+
+The patch in `patches.py` makes vLLM's model runner build this class wherever it
+would build a `DFlashProposer`; without an `adaflash` config section it behaves
+exactly like its base class.
+
+Shape symbols: B requests, K drafts per request, H drafter hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from typing_extensions import override
+from vllm.logger import init_logger
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from adaflash_vllm.config import config_from_additional
+from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
+from adaflash_vllm.proposers.model import ADAFLASH_ARCH
+
+logger = init_logger(__name__)
+
+
+class AdaFlashProposer(DFlashProposer):
+    """DFlash proposer that returns ragged per-request draft budgets."""
+
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.adaflash = config_from_additional(vllm_config.additional_config)
+        self.budget_policy: BudgetPolicy | None = (
+            make_budget_policy(self.adaflash.length) if self.adaflash else None
+        )
+        self._runner = runner
+        self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
+        self._budgets: dict[str, int] | None = None
+        self.captures: list[dict] | None = None  # debug: see capture_drafts()
+
+    @override
+    def _get_model(self):
+        if self.adaflash is None:
+            return super()._get_model()
+        # Build our subclass for any z-lab checkpoint ("DFlashDraftModel"): swap the
+        # architecture name only while vLLM resolves the class.
+        hf_config = self.draft_model_config.hf_config
+        saved = hf_config.architectures
+        hf_config.architectures = [ADAFLASH_ARCH]
+        try:
+            return super()._get_model()
+        finally:
+            hf_config.architectures = saved
+
+    @override
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        # hidden_states: [B * K, H], the drafter's outputs at the K mask positions.
+        if self.budget_policy is not None or self.captures is not None:
+            self._mask_hidden = hidden_states
+        return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+
+    @override
+    def propose(self, *args, **kwargs) -> torch.Tensor:
+        draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
+        self._budgets = None
+        if self._runner is None or (self.budget_policy is None and self.captures is None):
+            return draft_token_ids
+        num_reqs, num_drafts = draft_token_ids.shape
+        req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
+        hidden = self._mask_hidden
+        self._mask_hidden = None
+        if hidden is not None and num_drafts > 0:
+            hidden = hidden.view(num_reqs, num_drafts, -1)
+        if self.captures is not None and hidden is not None:
+            self._capture(req_ids, draft_token_ids, hidden)
+        if self.budget_policy is not None:
+            budgets = self.budget_policy.choose(
+                req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden
+            )
+            if budgets is not None:
+                self._budgets = dict(zip(req_ids, budgets, strict=True))
+        return draft_token_ids
+
+    def _capture(self, req_ids, draft_token_ids, hidden) -> None:
+        """Record what the drafter saw and produced (parity tests, debugging)."""
+        b, k = draft_token_ids.shape
+        query = slice(0, b * (k + 1), k + 1)  # the bonus slot of each request
+        logits = self.model.compute_logits(hidden.reshape(b * k, -1))
+        self.captures.append({
+            "req_ids": req_ids,
+            "bonus_positions": self.positions[query].cpu().tolist(),
+            "bonus_token_ids": self.input_ids[query].cpu().tolist(),
+            "draft_token_ids": draft_token_ids.cpu().tolist(),
+            "logits": logits.view(b, k, -1).float().cpu().tolist(),
+        })
+
+    def capture_drafts(self, enable: bool) -> None:
+        """Start (fresh) or stop recording every propose() into `self.captures`."""
+        self.captures = [] if enable else None
+
+    def take_budgets(self) -> dict[str, int] | None:
+        """Budgets chosen at the last propose (each handed out once)."""
+        budgets, self._budgets = self._budgets, None
+        return budgets

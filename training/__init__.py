@@ -1,0 +1,1 @@
+"""Training: torch DFlash drafter, target features, losses, offline and online trainers."""
