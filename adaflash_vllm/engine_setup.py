@@ -20,6 +20,7 @@ from adaflash_vllm.config import (
     RUNTIME_KEY,
     AdaFlashConfig,
     RuntimeInfo,
+    parse_adaflash_section,
     read_speculative_config,
     split_adaflash_section,
 )
@@ -42,12 +43,16 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
         return None
     spec, cfg = split_adaflash_section(spec)
     args.speculative_config = spec
+    if cfg is None and ADAFLASH_KEY in (args.additional_config or {}):
+        # Given as --additional-config '{"adaflash": {...}}', or a second call.
+        cfg = parse_adaflash_section(args.additional_config[ADAFLASH_KEY])
     if cfg is None:
         return None
     check_drafter_dir(spec.get("model"))
     _set_class(args, "scheduler_cls", SCHEDULER_CLS, "--scheduler-cls")
-    _set_class(args, "worker_extension_cls", WORKER_EXTENSION_CLS,
-               "--worker-extension-cls")
+    _set_class(
+        args, "worker_extension_cls", WORKER_EXTENSION_CLS, "--worker-extension-cls"
+    )
     _require_sync_mrv1(args)
     if getattr(args, "per_request_spec_decode_metrics", "none") == "none":
         args.per_request_spec_decode_metrics = cfg.per_request_metrics
@@ -77,8 +82,9 @@ def _set_class(args: Any, attr: str, ours: str, flag: str) -> None:
 
 
 def _is_adaflash_scheduler(cls: Any) -> bool:
-    from adaflash_vllm.scheduler import AdaFlashScheduler
     from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from adaflash_vllm.scheduler import AdaFlashScheduler
 
     if isinstance(cls, str):
         try:
@@ -114,7 +120,8 @@ def _new_stats_path() -> str:
 def _looks_like_path(model: str) -> bool:
     return (
         model.startswith((".", "/", "~"))
-        or os.sep in model.strip("/") and model.count("/") > 1
+        or os.sep in model.strip("/")
+        and model.count("/") > 1
         or os.path.exists(model)
     )
 
@@ -166,13 +173,16 @@ def check_drafter_fits_target(vllm_config: Any) -> None:
     tgt_vocab = target.get_vocab_size()
     tgt_hidden = target.get_hidden_size()
     dflash = getattr(draft_hf, "dflash_config", None) or {}
-    layer_ids = dflash.get("target_layer_ids", getattr(draft_hf, "target_layer_ids", []))
+    layer_ids = dflash.get(
+        "target_layer_ids", getattr(draft_hf, "target_layer_ids", [])
+    )
     where = f"drafter {spec.draft_model_config.model!r}"
     bad = [i for i in layer_ids if not 0 <= int(i) < tgt_layers]
     if not layer_ids or bad:
         raise DrafterMismatchError(
             f"{where}: dflash_config.target_layer_ids {list(layer_ids)} must be "
-            f"non-empty and within the target's {tgt_layers} layers (0..{tgt_layers - 1})."
+            f"non-empty and within the target's {tgt_layers} layers "
+            f"(0..{tgt_layers - 1})."
             " This drafter was trained for a different target."
         )
     draft_hidden = getattr(draft_hf, "hidden_size", None)

@@ -11,6 +11,7 @@ Metric names sit next to vLLM's `vllm:spec_decode_*` ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -125,7 +126,8 @@ class AdaFlashCollector:
             return m
 
         yield counter(
-            "vllm:adaflash_rounds", "Verification rounds (request x decode step).",
+            "vllm:adaflash_rounds",
+            "Verification rounds (request x decode step).",
             snap["rounds"],
         )
         yield counter(
@@ -134,18 +136,26 @@ class AdaFlashCollector:
             snap["verified_tokens"],
         )
         yield counter(
-            "vllm:adaflash_accepted_tokens", "Draft tokens accepted.",
+            "vllm:adaflash_accepted_tokens",
+            "Draft tokens accepted.",
             snap["accepted_tokens"],
         )
         yield counter(
-            "vllm:adaflash_requests_finished", "Requests finished under AdaFlash.",
+            "vllm:adaflash_requests_finished",
+            "Requests finished under AdaFlash.",
             snap["requests_finished"],
         )
         for name, doc, per_pos in (
-            ("vllm:adaflash_drafted_tokens_per_pos",
-             "Rounds that verified a draft at this position.", "drafted_per_pos"),
-            ("vllm:adaflash_accepted_tokens_per_pos",
-             "Rounds that accepted the draft at this position.", "accepted_per_pos"),
+            (
+                "vllm:adaflash_drafted_tokens_per_pos",
+                "Rounds that verified a draft at this position.",
+                "drafted_per_pos",
+            ),
+            (
+                "vllm:adaflash_accepted_tokens_per_pos",
+                "Rounds that accepted the draft at this position.",
+                "accepted_per_pos",
+            ),
         ):
             m = CounterMetricFamily(name, doc, labels=[*names, "position"])
             for pos, v in enumerate(snap[per_pos]):
@@ -165,8 +175,9 @@ class AdaFlashCollector:
         h.add_metric(values, buckets, sum_value=snap["verified_tokens"])
         yield h
         for key, value in sorted(snap.get("extra", {}).items()):
-            g = GaugeMetricFamily(f"vllm:adaflash_{key}", f"AdaFlash {key}.",
-                                  labels=names)
+            g = GaugeMetricFamily(
+                f"vllm:adaflash_{key}", f"AdaFlash {key}.", labels=names
+            )
             g.add_metric(values, value)
             yield g
 
@@ -179,10 +190,8 @@ def register_collector(path: str, model_name: str = "") -> None:
     from prometheus_client import REGISTRY
 
     for old in list(_REGISTERED.values()):  # one engine per process at a time
-        try:
+        with contextlib.suppress(KeyError):
             REGISTRY.unregister(old)
-        except KeyError:
-            pass
     _REGISTERED.clear()
     collector = AdaFlashCollector(path, model_name)
     REGISTRY.register(collector)

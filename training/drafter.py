@@ -4,9 +4,9 @@ vLLM (`qwen3_dflash.py`) drafts one block per request: queries
 `[bonus, MASK x K]` at positions `a .. a+K`, attending non-causally to each other
 and to context K/V injected from the target for every earlier position `< a`:
 
-    ctx_p   = fc(concat_l h_l[p])                      # h_l: target residual after layer l
-    k_p^i   = rope(k_norm^i(k_proj^i(rms(ctx_p; hidden_norm))), p)   # per draft layer i
-    v_p^i   = v_proj^i(rms(ctx_p; hidden_norm))
+    ctx_p = fc(concat_l h_l[p])        # h_l: target residual after layer l
+    k_p^i = rope(k_norm^i(k_proj^i(rms(ctx_p; hidden_norm))), p)   # draft layer i
+    v_p^i = v_proj^i(rms(ctx_p; hidden_norm))
 
 Queries run through ordinary Qwen3 decoder layers (pre-norm, q/k norms, RoPE at the
 block positions) and a final `norm`; logits use the target's `lm_head` (shared, not
@@ -66,7 +66,11 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
         h, d = cfg["hidden_size"], cfg["head_dim"]
-        self.nh, self.nkv, self.d = cfg["num_attention_heads"], cfg["num_key_value_heads"], d
+        self.nh, self.nkv, self.d = (
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
+            d,
+        )
         bias = cfg.get("attention_bias", False)
         self.q_proj = nn.Linear(h, self.nh * d, bias=bias)
         self.k_proj = nn.Linear(h, self.nkv * d, bias=bias)
@@ -160,7 +164,9 @@ class DFlashDrafter(nn.Module):
         self.head_dim = cfg["head_dim"]
         rope = cfg.get("rope_parameters") or {}
         self.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            DrafterLayer(cfg) for _ in range(cfg["num_hidden_layers"])
+        )
         self.norm = RMSNorm(h, cfg["rms_norm_eps"])
         self.hidden_norm = RMSNorm(h, cfg["rms_norm_eps"])
         target_hidden = cfg.get("target_hidden_size") or h
@@ -223,8 +229,12 @@ class DFlashDrafter(nn.Module):
         b, m = anchors.shape
         s = num_drafts + 1
         first = torch.gather(input_ids, 1, anchors.clamp(max=input_ids.shape[1] - 1))
-        ids = torch.full((b, m, s), self.mask_token_id, dtype=input_ids.dtype,
-                         device=input_ids.device)
+        ids = torch.full(
+            (b, m, s),
+            self.mask_token_id,
+            dtype=input_ids.dtype,
+            device=input_ids.device,
+        )
         ids[:, :, 0] = first
         positions = anchors.unsqueeze(-1) + torch.arange(s, device=anchors.device)
         return ids, positions

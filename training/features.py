@@ -28,8 +28,13 @@ class TargetModel:
         dtype: compute dtype (float32 on CPU keeps parity with vLLM tests).
     """
 
-    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         import json
 
         from transformers import AutoModelForCausalLM
@@ -65,8 +70,10 @@ class TargetModel:
         handles = []
         layers = self.model.model.layers
         for lid in layer_ids:
+
             def hook(_m, _inp, out, lid=lid):
                 captured[lid] = out[0] if isinstance(out, tuple) else out
+
             handles.append(layers[lid].register_forward_hook(hook))
         try:
             yield captured
@@ -89,12 +96,15 @@ class TargetModel:
             from adaflash_vllm.errors import DrafterMismatchError
 
             raise DrafterMismatchError(
-                f"target_layer_ids {layer_ids} outside the target's {self.num_layers} layers"
+                f"target_layer_ids {layer_ids} outside the target's "
+                f"{self.num_layers} layers"
             )
         with self._tap(layer_ids) as captured:
             out = self.model(
                 input_ids=input_ids.to(self.device),
-                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                attention_mask=None
+                if attention_mask is None
+                else attention_mask.to(self.device),
                 use_cache=False,
                 logits_to_keep=0 if with_logits else 1,
             )

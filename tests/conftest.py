@@ -1,0 +1,32 @@
+"""Session fixtures: tiny models built once, bounded KV memory, seeds.
+
+The environment is set before anything imports vLLM or Triton: `@triton.jit` reads
+TRITON_INTERPRET when it decorates, and vLLM reads its env vars at import.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in tests
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import TinyModels, build_tiny_models  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    """Tiny target, random drafter and a drafter trained on the target's outputs."""
+    return build_tiny_models(Path(tmp_path_factory.mktemp("tiny")))

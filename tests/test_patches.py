@@ -1,0 +1,98 @@
+"""Every vLLM monkeypatch lives in patches.py, is guarded, and can be reverted."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from adaflash_vllm import patches
+from adaflash_vllm.errors import PatchGuardError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_engine_patches_applied_by_plugin():
+    """Loading vLLM's plugins applies E1/E2 and wraps the right functions."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert patches.is_applied("E1") and patches.is_applied("E2")
+    assert EngineArgs.create_engine_config.__name__ == "create_engine_config"
+    assert "accepting_paths" in EngineArgs.add_cli_args.__name__
+
+
+def test_worker_patches_swap_proposer_and_revert():
+    """W1/W2 replace the runner's DFlashProposer and trim hook; revert restores."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    original_take = gmr.GPUModelRunner.take_draft_token_ids
+    patches.apply_worker_patches()
+    try:
+        assert gmr.DFlashProposer is AdaFlashProposer
+        assert issubclass(AdaFlashProposer, DFlashProposer)
+        assert gmr.GPUModelRunner.take_draft_token_ids is not original_take
+    finally:
+        patches.revert_all()
+    assert gmr.DFlashProposer is DFlashProposer
+    assert gmr.GPUModelRunner.take_draft_token_ids is original_take
+    patches.apply_engine_patches()  # leave the engine patches as the plugin set them
+
+
+def test_guard_trips_on_changed_signature():
+    """A recorded signature that no longer matches fails loudly, naming the target."""
+
+    class Fake:
+        def take_draft_token_ids(self, extra):
+            return None
+
+    with pytest.raises(PatchGuardError, match="take_draft_token_ids.*differs"):
+        patches._check_signature(Fake, "take_draft_token_ids", ("self",))
+    with pytest.raises(PatchGuardError, match="does not exist"):
+        patches._check_signature(Fake, "missing", ("self",))
+
+
+def test_guard_trips_on_unsupported_vllm(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    with pytest.raises(PatchGuardError, match="found vLLM 0.40.1"):
+        patches._check_version()
+
+
+def test_only_patches_module_assigns_vllm_attributes():
+    """No module but patches.py monkeypatches vLLM (assignments to vllm objects)."""
+    offenders = []
+    pattern = re.compile(
+        r"^\s*(vllm|gmr|EngineArgs|GPUModelRunner|Scheduler)\.[\w.]+\s*=[^=]"
+    )
+    for folder in ("adaflash_vllm", "proposers", "training", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "patches.py":
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line) or re.search(r"setattr\((vllm|gmr)\b", line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_cpu_expand_fix_writes_float_outputs():
+    """W3: vLLM's CPU expand override drops float outputs (temperatures); ours
+    expands them like the Triton kernel."""
+    import torch
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    temps = torch.tensor([0.7, -1.0, 1.3])  # -1 stands for greedy
+    cu = torch.tensor([2, 3, 6], dtype=torch.int32)
+    want = torch.tensor([0.7, 0.7, 1.0, 1.3, 1.3, 1.3])
+    ours = torch.full((6,), float("nan"))
+    patches.expand_kernel_torch(ours, temps, cu, -1.0, 1.0)
+    assert torch.equal(ours, want)
+    theirs = torch.full((6,), float("nan"))
+    cpu_tl._expand_kernel_impl(theirs, temps, cu, -1, 1)
+    assert not torch.equal(theirs, want)  # the upstream bug W3 exists to fix
+    ints = torch.zeros(6, dtype=torch.int64)
+    patches.expand_kernel_torch(ints, torch.tensor([5, 0, 7]), cu, 0, 9)
+    assert ints.tolist() == [5, 5, 9, 7, 7, 7]
