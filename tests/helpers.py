@@ -10,10 +10,36 @@ from pathlib import Path
 
 import torch
 
-WORDS = (
-    "the quick brown fox jumps over lazy dog cat hello world def add return print "
-    "range for in if else while question answer plus minus one two three"
-).split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "cat",
+    "hello",
+    "world",
+    "def",
+    "add",
+    "return",
+    "print",
+    "range",
+    "for",
+    "in",
+    "if",
+    "else",
+    "while",
+    "question",
+    "answer",
+    "plus",
+    "minus",
+    "one",
+    "two",
+    "three",
+]
 
 
 def make_prompts(

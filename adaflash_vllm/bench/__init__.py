@@ -1,0 +1,1 @@
+"""The `adaflash bench` harness: configurations side by side, JSON, Markdown, PNG."""

@@ -1,0 +1,127 @@
+"""`adaflash bench`: run configurations side by side on one workload.
+
+Examples:
+    adaflash bench sweep --configs plain,dflash,adaflash --concurrency 1,4,16,32,64
+    adaflash bench shift --configs plain,dflash,adaflash --phases prose,math,code
+
+The table goes to stdout, then one JSON object (the summary) as the last line;
+OUT/ gets one JSON result per configuration, report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from adaflash_vllm.bench.configs import BenchSetup, check_paths
+from adaflash_vllm.bench.harness import rebuild_report, run_benchmark
+from adaflash_vllm.bench.workloads import Workload, load_phase
+from adaflash_vllm.errors import AdaFlashConfigError
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "workload",
+        choices=["sweep", "shift", "report"],
+        help="sweep: throughput vs concurrency; shift: phases of prompt "
+        "sets in order; report: re-plot OUT from its JSON files",
+    )
+    p.add_argument("--target", default=str(DEMO_DIR / "target"))
+    p.add_argument("--drafter", default=str(DEMO_DIR / "drafter"))
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    p.add_argument("--adaflash-config", help="adaflash.json for `adaflash*` configs")
+    p.add_argument(
+        "--configs",
+        default="plain,dflash,adaflash",
+        help="comma list: plain, dflash, dflash_schedule, ngram, adaflash, "
+        "adaflash:MODE",
+    )
+    p.add_argument(
+        "--prompts", default="prose", help="sweep prompt set (name or JSONL)"
+    )
+    p.add_argument("--phases", default="prose,math,code", help="shift: sets in order")
+    p.add_argument(
+        "--per-phase", type=int, default=32, help="shift: requests per phase"
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=8,
+        help="shift: requests per window (= engine concurrency)",
+    )
+    p.add_argument("--concurrency", default="1,4,16,32,64", help="sweep levels")
+    p.add_argument("--num-prompts", type=int, default=64, help="sweep prompt pool")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=3, help="sweep repeats (median)")
+    p.add_argument(
+        "--driver",
+        choices=["offline", "serve"],
+        default=None,
+        help="offline LLM or `vllm serve` + HTTP client (default: serve "
+        "for sweep, offline for shift)",
+    )
+    p.add_argument("--cores", default=None, help="CPU cores for every engine, e.g. 0")
+    p.add_argument("--out", default="runs/bench", help="output folder")
+    p.add_argument("--title", default="")
+
+
+def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
+    if args.workload == "shift":
+        names = [n for n in args.phases.split(",") if n]
+        phases = [load_phase(n, tokenizer, count=args.per_phase) for n in names]
+        return Workload(
+            "shift",
+            phases,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+        )
+    levels = tuple(int(c) for c in args.concurrency.split(",") if c)
+    return Workload(
+        "sweep",
+        [load_phase(args.prompts, tokenizer, count=args.num_prompts)],
+        concurrencies=levels,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    if args.workload == "report":
+        summary = rebuild_report(args.out, args.title)
+        print(json.dumps(summary))
+        return summary
+    setup = BenchSetup(
+        target=args.target,
+        drafter=args.drafter,
+        num_speculative_tokens=args.num_speculative_tokens,
+        adaflash_config=args.adaflash_config,
+    )
+    check_paths(setup)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    workload = build_workload(args, tokenizer)
+    driver = args.driver or ("serve" if args.workload == "sweep" else "offline")
+    if driver == "serve" and args.workload == "shift":
+        raise AdaFlashConfigError("the shift workload runs offline (--driver offline)")
+    command = "adaflash bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    summary = run_benchmark(
+        setup=setup,
+        config_names=[c for c in args.configs.split(",") if c],
+        workload=workload,
+        out_dir=args.out,
+        driver=driver,
+        repeats=args.repeats if args.workload == "sweep" else 1,
+        cores=args.cores,
+        command=command,
+        title=args.title,
+    )
+    print(json.dumps(summary))
+    return summary

@@ -1,0 +1,280 @@
+"""Run benchmark configurations back to back and report them side by side.
+
+Each configuration gets a fresh engine (a child process, or a `vllm serve`
+subprocess) pinned to the same CPU cores, so differences come from the
+configuration alone. Results are written per configuration as soon as each
+window/concurrency finishes; an interrupted run keeps what finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from adaflash_vllm.bench.configs import BenchConfig, BenchSetup, build_config
+from adaflash_vllm.bench.report import (
+    plot_acceptance,
+    plot_shift,
+    plot_sweep,
+    shift_table,
+    sweep_table,
+)
+from adaflash_vllm.bench.results import load_results, new_result, save_result
+from adaflash_vllm.bench.workloads import Workload
+from adaflash_vllm.errors import AdaFlashConfigError
+
+
+def engine_kwargs(workload: Workload, max_model_len: int = 1024) -> dict[str, Any]:
+    seqs = max(workload.concurrencies) if workload.kind == "sweep" else workload.window
+    return {
+        "dtype": "float32",
+        "max_model_len": max_model_len,
+        "enforce_eager": True,
+        "seed": 0,
+        "max_num_seqs": seqs,
+        "disable_log_stats": False,
+    }
+
+
+def pinned(cmd: list[str], cores: str | None) -> list[str]:
+    """Prefix `cmd` with taskset so the engine and its children stay on `cores`."""
+    if cores and shutil.which("taskset"):
+        return ["taskset", "-c", cores, *cmd]
+    return cmd
+
+
+def engine_env(cores: str | None) -> dict[str, str]:
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env
+
+
+def workload_json(workload: Workload) -> dict[str, Any]:
+    data = asdict(workload)
+    data["concurrencies"] = list(workload.concurrencies)
+    return data
+
+
+def run_offline_config(
+    config: BenchConfig,
+    *,
+    setup: BenchSetup,
+    workload: Workload,
+    out: Path,
+    cores: str | None,
+    command: str,
+    repeats: int,
+    engine: dict[str, Any],
+) -> dict:
+    job = {
+        "target": setup.target,
+        "config": asdict(config),
+        "workload": workload_json(workload),
+        "setup": asdict(setup),
+        "engine": engine,
+        "out": str(out),
+        "command": command,
+        "repeats": repeats,
+    }
+    job_path = out.with_suffix(".job.json")
+    job_path.write_text(json.dumps(job))
+    cmd = pinned(
+        [sys.executable, "-m", "adaflash_vllm.bench.offline", str(job_path)], cores
+    )
+    log_path = out.with_suffix(".log")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, **engine_env(cores)},
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("["):
+                print("  " + line.rstrip(), flush=True)
+        proc.wait()
+    job_path.unlink(missing_ok=True)
+    if out.exists():
+        result = json.loads(out.read_text())
+    else:
+        result = new_result(
+            command=command,
+            setup=asdict(setup),
+            workload=job["workload"],
+            config=asdict(config),
+        )
+    if proc.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        result["status"] = "failed"
+        result["error"] = result.get("error") or f"exit code {proc.returncode}"
+        print(
+            f"  [{config.name}] FAILED ({result['error']}); log tail:\n{tail}",
+            flush=True,
+        )
+        save_result(result, out)
+    return result
+
+
+def run_served_config(
+    config: BenchConfig,
+    *,
+    setup: BenchSetup,
+    workload: Workload,
+    out: Path,
+    cores: str | None,
+    command: str,
+    repeats: int,
+    engine: dict[str, Any],
+) -> dict:
+    from adaflash_vllm.bench.online import run_sweep_served
+    from adaflash_vllm.serve_process import ServeProcess, ServerStartError
+
+    result = new_result(
+        command=command,
+        setup=asdict(setup),
+        workload=workload_json(workload)
+        | {
+            "phases": [
+                {"name": p.name, "count": len(p.prompts)} for p in workload.phases
+            ]
+        },
+        config=asdict(config),
+    )
+    args = [
+        setup.target,
+        "--dtype",
+        engine["dtype"],
+        "--max-model-len",
+        str(engine["max_model_len"]),
+        "--max-num-seqs",
+        str(engine["max_num_seqs"]),
+        "--seed",
+        "0",
+    ]
+    if engine.get("enforce_eager"):
+        args.append("--enforce-eager")
+    if config.speculative_config is not None:
+        args += ["--speculative-config", config.spec_json()]
+    server = ServeProcess(args, env=engine_env(cores), log_path=out.with_suffix(".log"))
+    server.args = pinned(server.args, cores)
+    try:
+        server.start()
+        run_sweep_served(
+            server,
+            setup.target,
+            workload_json(workload),
+            result,
+            lambda: save_result(result, out),
+            lambda m: print(f"  [{config.name}] {m}", flush=True),
+            repeats=repeats,
+            requests_per_level=lambda c: max(8, 2 * c),
+        )
+        result["status"] = "ok"
+    except (ServerStartError, OSError) as e:
+        result["status"], result["error"] = "failed", str(e).splitlines()[0]
+        print(f"  [{config.name}] FAILED: {e}", flush=True)
+    finally:
+        server.stop()
+        save_result(result, out)
+    return result
+
+
+def run_benchmark(
+    *,
+    setup: BenchSetup,
+    config_names: list[str],
+    workload: Workload,
+    out_dir: str | Path,
+    driver: str = "offline",
+    repeats: int = 1,
+    cores: str | None = None,
+    command: str = "",
+    title: str = "",
+) -> dict[str, Any]:
+    """Run every configuration, then write report.md, PNG plots and summary.json.
+
+    Returns the summary (also printed as the last stdout line by the CLI).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    configs = [build_config(n, setup) for n in config_names]  # fail fast on names
+    engine = engine_kwargs(workload)
+    runner = run_served_config if driver == "serve" else run_offline_config
+    results = []
+    for i, config in enumerate(configs, start=1):
+        print(f"[{i}/{len(configs)}] {config.name}", flush=True)
+        results.append(
+            runner(
+                config,
+                setup=setup,
+                workload=workload,
+                out=out_dir / f"{config.name.replace(':', '-')}.json",
+                cores=cores,
+                command=command,
+                repeats=repeats,
+                engine=engine,
+            )
+        )
+    return write_report(results, out_dir, workload.kind, title=title)
+
+
+def write_report(
+    results: list[dict], out_dir: Path, kind: str, title: str = ""
+) -> dict[str, Any]:
+    if kind == "shift":
+        table, summary = shift_table(results)
+        plots = [plot_shift(results, out_dir / "shift.png", title)]
+    else:
+        table, summary = sweep_table(results)
+        plots = [plot_sweep(results, out_dir / "sweep.png", title)]
+    plots.append(plot_acceptance(results, out_dir / "acceptance.png"))
+    first = results[0] if results else {}
+    header = [
+        f"# {title or kind}",
+        "",
+        f"- command: `{first.get('command', '')}`",
+        f"- git {first.get('git_sha')} | {first.get('created')} | "
+        f"{(first.get('machine') or {}).get('cpu')} x "
+        f"{(first.get('machine') or {}).get('cpu_count')} | vLLM "
+        f"{(first.get('machine') or {}).get('vllm')} | torch "
+        f"{(first.get('machine') or {}).get('torch')}",
+        "",
+    ]
+    (out_dir / "report.md").write_text(
+        "\n".join(header)
+        + table
+        + "\n\n"
+        + "\n".join(f"![{p.stem}]({p.name})" for p in plots)
+        + "\n"
+    )
+    full = {
+        "kind": kind,
+        "summary": summary,
+        "report": str(out_dir / "report.md"),
+        "plots": [str(p) for p in plots],
+        "failed": [r["config"]["name"] for r in results if r.get("status") != "ok"],
+    }
+    (out_dir / "summary.json").write_text(json.dumps(full, indent=1))
+    print(table, flush=True)
+    return full
+
+
+def rebuild_report(out_dir: str | Path, title: str = "") -> dict[str, Any]:
+    """Re-plot a finished (or interrupted) run from its JSON files."""
+    results = load_results(out_dir)
+    if not results:
+        raise AdaFlashConfigError(f"no benchmark results (*.json) in {out_dir}")
+    return write_report(results, Path(out_dir), results[0]["workload"]["kind"], title)

@@ -1,0 +1,235 @@
+"""Offline benchmark runner: one configuration, one workload, one `LLM`, in a child
+process (so every configuration starts from a fresh engine on the same cores).
+
+Run (the harness does this): python -m adaflash_vllm.bench.offline JOB.json
+JOB.json: {"target", "config": {name, speculative_config}, "workload": {...},
+           "setup": {...}, "engine": {extra LLM kwargs}, "out": result path,
+           "command": str, "warmup": int}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from adaflash_vllm.bench.results import (
+    Point,
+    add_point,
+    new_result,
+    save_result,
+)
+
+COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+    "rounds": "vllm:adaflash_rounds",
+    "verified": "vllm:adaflash_verified_tokens",
+    "ada_accepted": "vllm:adaflash_accepted_tokens",
+}
+VECTORS = {
+    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "ada_drafted_per_pos": "vllm:adaflash_drafted_tokens_per_pos",
+    "ada_accepted_per_pos": "vllm:adaflash_accepted_tokens_per_pos",
+}
+
+
+def read_counters(llm) -> dict[str, Any]:
+    """Spec-decode and AdaFlash counters from the engine (cumulative)."""
+    found: dict[str, Any] = {k: 0 for k in COUNTERS}
+    found.update({k: [] for k in VECTORS})
+    by_name = {v: k for k, v in COUNTERS.items()}
+    vec_by_name = {v: k for k, v in VECTORS.items()}
+    for m in llm.get_metrics():
+        if m.name in by_name and hasattr(m, "value"):
+            found[by_name[m.name]] = m.value
+        elif m.name in vec_by_name:
+            if hasattr(m, "values"):
+                found[vec_by_name[m.name]] = list(m.values)
+            else:
+                found[vec_by_name[m.name]].append(m.value)
+    return found
+
+
+def counter_delta(before: dict, after: dict) -> dict[str, Any]:
+    delta = {}
+    for k, v in after.items():
+        if isinstance(v, list):
+            old = before.get(k) or [0] * len(v)
+            delta[k] = [
+                a - b for a, b in zip(v, old + [0] * (len(v) - len(old)), strict=False)
+            ]
+        else:
+            delta[k] = v - before.get(k, 0)
+    return delta
+
+
+def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
+    """tau, mean verify length, rounds and per-position acceptance of a window."""
+    if delta["rounds"] > 0:  # AdaFlash counts every round, k_i = 0 included
+        rounds, accepted, verified = (
+            delta["rounds"],
+            delta["ada_accepted"],
+            delta["verified"],
+        )
+        drafted, acc = delta["ada_drafted_per_pos"], delta["ada_accepted_per_pos"]
+        per_pos = [a / d if d else 0.0 for a, d in zip(acc, drafted, strict=False)]
+    elif delta["drafts"] > 0:
+        rounds, accepted = delta["drafts"], delta["accepted"]
+        verified = delta["drafts"] + delta["draft_tokens"]
+        per_pos = [a / rounds for a in delta["accepted_per_pos"]]
+    else:
+        return {"tau": 1.0, "verify_len": 1.0, "rounds": 0, "accept_per_pos": []}
+    return {
+        "tau": 1 + accepted / rounds,
+        "verify_len": verified / rounds,
+        "rounds": rounds,
+        "accept_per_pos": per_pos,
+    }
+
+
+def timed_generate(llm, prompts: list[str], params) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def run_shift(
+    llm,
+    workload: dict,
+    result: dict,
+    save: Callable[[], None],
+    progress: Callable[[str], None],
+) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=workload["temperature"],
+        max_tokens=workload["max_tokens"],
+        ignore_eos=True,
+        seed=0,
+    )
+    window = workload["window"]
+    key = 0
+    for phase in workload["phases"]:
+        prompts = phase["prompts"]
+        for start in range(0, len(prompts), window):
+            chunk = prompts[start : start + window]
+            before = read_counters(llm)
+            outs, wall = timed_generate(llm, chunk, params)
+            summary = spec_summary(counter_delta(before, read_counters(llm)))
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            add_point(
+                result,
+                Point(
+                    key=key,
+                    phase=phase["name"],
+                    requests=len(chunk),
+                    output_tokens=tokens,
+                    wall_s=wall,
+                    tok_s=tokens / wall,
+                    tok_s_runs=[tokens / wall],
+                    **summary,
+                ),
+            )
+            save()
+            progress(
+                f"window {key} [{phase['name']}] {tokens / wall:7.1f} tok/s "
+                f"tau {summary['tau']:.2f}"
+            )
+            key += 1
+
+
+def run_sweep_offline(
+    llm, workload: dict, result: dict, save, progress, repeats: int
+) -> None:
+    """Offline sweep: for each C, submit C*4 requests with max_num_seqs fixed at the
+    engine's value (use `adaflash bench --driver serve` for client concurrency)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=workload["temperature"],
+        max_tokens=workload["max_tokens"],
+        ignore_eos=True,
+        seed=0,
+    )
+    prompts = workload["phases"][0]["prompts"]
+    for c in workload["concurrencies"]:
+        batch = (prompts * (4 * c // max(1, len(prompts)) + 1))[: 4 * c]
+        runs, tokens, summary = [], 0, {}
+        for _ in range(repeats):
+            before = read_counters(llm)
+            outs, wall = timed_generate(llm, batch, params)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            runs.append(tokens / wall)
+            summary = spec_summary(counter_delta(before, read_counters(llm)))
+        runs.sort()
+        add_point(
+            result,
+            Point(
+                key=c,
+                phase=workload["phases"][0]["name"],
+                requests=len(batch),
+                output_tokens=tokens,
+                wall_s=tokens / runs[len(runs) // 2],
+                tok_s=runs[len(runs) // 2],
+                tok_s_runs=runs,
+                **summary,
+            ),
+        )
+        save()
+        progress(f"C={c} {runs[len(runs) // 2]:7.1f} tok/s tau {summary['tau']:.2f}")
+
+
+def main(job_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    job = json.loads(Path(job_path).read_text())
+    workload = job["workload"]
+    result = new_result(
+        command=job["command"],
+        setup=job["setup"],
+        workload={k: v for k, v in workload.items() if k != "phases"}
+        | {
+            "phases": [
+                {"name": p["name"], "count": len(p["prompts"])}
+                for p in workload["phases"]
+            ]
+        },
+        config=job["config"],
+    )
+
+    def save() -> None:
+        save_result(result, job["out"])
+
+    def progress(msg: str) -> None:
+        print(f"[{job['config']['name']}] {msg}", flush=True)
+
+    from vllm import LLM, SamplingParams
+
+    spec = job["config"]["speculative_config"]
+    llm = LLM(model=job["target"], speculative_config=spec, **job["engine"])
+    try:
+        warm = workload["phases"][0]["prompts"][: job.get("warmup", 4)]
+        llm.generate(warm, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        if workload["kind"] == "shift":
+            run_shift(llm, workload, result, save, progress)
+        else:
+            run_sweep_offline(
+                llm, workload, result, save, progress, job.get("repeats", 1)
+            )
+        result["status"] = "ok"
+    except Exception as e:  # keep finished points, say what broke
+        result["status"], result["error"] = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        save()
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,192 @@
+"""Server benchmark runner: one configuration behind a real `vllm serve`, driven by an
+async HTTP client at each concurrency of the sweep (streamed completions, so TTFT,
+TPOT and inter-token gaps are measured as a user sees them).
+
+tau, verify length and per-position acceptance come from /metrics deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from adaflash_vllm.bench.results import Point, add_point, median, percentile
+from adaflash_vllm.serve_process import ServeProcess, metric_sum, parse_prometheus
+
+_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "rounds": "vllm:adaflash_rounds_total",
+    "verified": "vllm:adaflash_verified_tokens_total",
+    "ada_accepted": "vllm:adaflash_accepted_tokens_total",
+}
+
+
+def _per_pos(values: dict[str, float], name: str) -> list[float]:
+    found = {}
+    for key, v in values.items():
+        if key.startswith(name + "{") and 'position="' in key:
+            pos = int(key.split('position="', 1)[1].split('"', 1)[0])
+            found[pos] = found.get(pos, 0.0) + v
+    return [found[p] for p in sorted(found)]
+
+
+def scrape(server: ServeProcess) -> dict[str, Any]:
+    values = parse_prometheus(server.metrics_text())
+    out: dict[str, Any] = {k: metric_sum(values, n) for k, n in _COUNTERS.items()}
+    out["accepted_per_pos"] = _per_pos(
+        values, "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    )
+    out["ada_drafted_per_pos"] = _per_pos(
+        values, "vllm:adaflash_drafted_tokens_per_pos_total"
+    )
+    out["ada_accepted_per_pos"] = _per_pos(
+        values, "vllm:adaflash_accepted_tokens_per_pos_total"
+    )
+    return out
+
+
+async def _one_request(session, url: str, body: dict) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    first, last, gaps, tokens, ok = None, None, [], 0, True
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return {"ok": False, "error": await resp.text()}
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    if first is None:
+                        first = now
+                    elif last is not None:
+                        gaps.append(now - last)
+                    last = now
+    except Exception as e:  # noqa: BLE001  (a failed request is counted, not fatal)
+        return {"ok": False, "error": repr(e)}
+    end = time.perf_counter()
+    ttft = (first or end) - t0
+    tpot = (end - (first or end)) / max(1, tokens - 1)
+    return {
+        "ok": ok,
+        "ttft": ttft,
+        "tpot": tpot,
+        "gaps": gaps,
+        "tokens": tokens,
+        "latency": end - t0,
+    }
+
+
+async def drive(
+    url: str,
+    model: str,
+    prompts: list[str],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+) -> tuple[list[dict], float]:
+    """Send `prompts` with at most `concurrency` in flight; (per-request, wall)."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def run(prompt: str):
+            async with sem:
+                return await _one_request(
+                    session,
+                    url + "/v1/completions",
+                    {
+                        "model": model,
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "temperature": temperature,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    },
+                )
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        return list(results), time.perf_counter() - t0
+
+
+def run_sweep_served(
+    server: ServeProcess,
+    model: str,
+    workload: dict,
+    result: dict,
+    save: Callable[[], None],
+    progress: Callable[[str], None],
+    *,
+    repeats: int,
+    requests_per_level: Callable[[int], int],
+) -> None:
+    from adaflash_vllm.bench.offline import counter_delta, spec_summary
+
+    prompts = workload["phases"][0]["prompts"]
+    for c in workload["concurrencies"]:
+        n = requests_per_level(c)
+        batch = (prompts * (n // max(1, len(prompts)) + 1))[:n]
+        runs, reqs, summary = [], [], {}
+        asyncio.run(
+            drive(
+                server.url,
+                model,
+                batch[: min(len(batch), c)],
+                concurrency=c,
+                max_tokens=8,
+                temperature=0.0,
+            )
+        )  # warm-up
+        for _ in range(repeats):
+            before = scrape(server)
+            reqs, wall = asyncio.run(
+                drive(
+                    server.url,
+                    model,
+                    batch,
+                    concurrency=c,
+                    max_tokens=workload["max_tokens"],
+                    temperature=workload["temperature"],
+                )
+            )
+            summary = spec_summary(counter_delta(before, scrape(server)))
+            runs.append(sum(r.get("tokens", 0) for r in reqs) / wall)
+        ok = [r for r in reqs if r["ok"]]
+        gaps = [g for r in ok for g in r["gaps"]]
+        runs.sort()
+        add_point(
+            result,
+            Point(
+                key=c,
+                phase=workload["phases"][0]["name"],
+                requests=len(batch),
+                output_tokens=sum(r.get("tokens", 0) for r in ok),
+                wall_s=sum(r.get("tokens", 0) for r in ok) / max(median(runs), 1e-9),
+                tok_s=median(runs),
+                tok_s_runs=runs,
+                ttft_ms_p50=1e3 * median([r["ttft"] for r in ok]) if ok else None,
+                tpot_ms_p50=1e3 * median([r["tpot"] for r in ok]) if ok else None,
+                itl_ms_p99=1e3 * percentile(gaps, 99) if gaps else None,
+                failed_requests=len(reqs) - len(ok),
+                **summary,
+            ),
+        )
+        save()
+        progress(
+            f"C={c:3d} {median(runs):8.1f} tok/s tau {summary['tau']:.2f} "
+            f"verify {summary['verify_len']:.2f}"
+        )

@@ -1,0 +1,226 @@
+"""Turn benchmark results into a Markdown table, PNG plots and a JSON summary.
+
+Every speed number is also given as a ratio to `plain` measured in the same run
+(same machine, same prompts, same cores): that ratio is the headline.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def _points(result: dict) -> list[dict]:
+    return result.get("points", [])
+
+
+def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
+    """Per phase of a shift stream: tok/s over the phase, mean tau, verify length."""
+    acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    order: list[str] = []
+    for p in _points(result):
+        a = acc[p["phase"]]
+        if p["phase"] not in order:
+            order.append(p["phase"])
+        a["tokens"] += p["output_tokens"]
+        a["wall"] += p["wall_s"]
+        a["rounds"] += p.get("rounds") or 0
+        a["tau_x_rounds"] += (p.get("tau") or 1.0) * (p.get("rounds") or 0)
+        a["verify_x_rounds"] += (p.get("verify_len") or 1.0) * (p.get("rounds") or 0)
+    out = {}
+    for name in order:
+        a = acc[name]
+        rounds = a["rounds"]
+        out[name] = {
+            "tok_s": a["tokens"] / a["wall"] if a["wall"] else 0.0,
+            "tau": a["tau_x_rounds"] / rounds if rounds else 1.0,
+            "verify_len": a["verify_x_rounds"] / rounds if rounds else 1.0,
+        }
+    return out
+
+
+def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
+    base = next((r for r in results if r["config"]["name"] == "plain"), None)
+    base_roll = phase_rollup(base) if base else {}
+    lines = [
+        "| config | phase | tok/s | speedup vs plain | tau | verify len |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    summary: dict[str, Any] = {}
+    for r in results:
+        name = r["config"]["name"]
+        for phase, v in phase_rollup(r).items():
+            ref = base_roll.get(phase, {}).get("tok_s")
+            speedup = v["tok_s"] / ref if ref else None
+            lines.append(
+                f"| {name} | {phase} | {v['tok_s']:.1f} | "
+                f"{_fmt(speedup, 'x')} | {v['tau']:.2f} | {v['verify_len']:.2f} |"
+            )
+            summary.setdefault(name, {})[phase] = {**v, "speedup": speedup}
+        if r.get("status") != "ok":
+            lines.append(f"| {name} | (failed: {r.get('error')}) | | | | |")
+    return "\n".join(lines), summary
+
+
+def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
+    base = next((r for r in results if r["config"]["name"] == "plain"), None)
+    base_by_c = {p["key"]: p["tok_s"] for p in _points(base)} if base else {}
+    lines = [
+        "| config | C | tok/s (min-max) | speedup vs plain | tau | verify len | "
+        "TTFT p50 ms | TPOT p50 ms | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary: dict[str, Any] = {}
+    for r in results:
+        name = r["config"]["name"]
+        for p in _points(r):
+            ref = base_by_c.get(p["key"])
+            speedup = p["tok_s"] / ref if ref else None
+            runs = p.get("tok_s_runs") or [p["tok_s"]]
+            lines.append(
+                f"| {name} | {p['key']} | {p['tok_s']:.1f} "
+                f"({min(runs):.0f}-{max(runs):.0f}) | {_fmt(speedup, 'x')} | {_fmt(p.get('tau'))} | "
+                f"{_fmt(p.get('verify_len'))} | {_fmt(p.get('ttft_ms_p50'), '', 1)} | "
+                f"{_fmt(p.get('tpot_ms_p50'), '', 2)} | {p.get('failed_requests', 0)} |"
+            )
+            summary.setdefault(name, {})[str(p["key"])] = {
+                "tok_s": p["tok_s"],
+                "speedup": speedup,
+                "tau": p.get("tau"),
+                "verify_len": p.get("verify_len"),
+            }
+        if r.get("status") != "ok":
+            lines.append(f"| {name} | (failed: {r.get('error')}) | | | | | | | |")
+    return "\n".join(lines), summary
+
+
+def _fmt(v: float | None, suffix: str = "", digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}{suffix}"
+
+
+def plot_shift(results: list[dict], path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tau, ax_tps) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    ref = results[0] if results else {"points": []}
+    shade_phases(ax_tau, ref)
+    shade_phases(ax_tps, ref)
+    for r in results:
+        pts = _points(r)
+        x = [sum(q["requests"] for q in pts[: i + 1]) for i in range(len(pts))]
+        ax_tau.plot(
+            x,
+            [p.get("tau") or 1.0 for p in pts],
+            marker="o",
+            ms=3,
+            label=r["config"]["name"],
+        )
+        ax_tps.plot(
+            x, [p["tok_s"] for p in pts], marker="o", ms=3, label=r["config"]["name"]
+        )
+    ax_tau.set_ylabel("tau (tokens per target step)")
+    ax_tps.set_ylabel("output tokens / s")
+    ax_tps.set_xlabel("requests served")
+    ax_tau.legend(loc="best", fontsize=8)
+    ax_tau.set_title(title or "Domain-shift stream: acceptance and throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def shade_phases(ax, result: dict) -> None:
+    start, current, count = 0, None, 0
+    colors = ["#eef3fb", "#fbf1e6", "#eaf6ec", "#f6eaf4"]
+    spans = []
+    for p in _points(result):
+        if p["phase"] != current:
+            if current is not None:
+                spans.append((current, start, count))
+            current, start = p["phase"], count
+        count += p["requests"]
+    if current is not None:
+        spans.append((current, start, count))
+    for i, (name, a, b) in enumerate(spans):
+        ax.axvspan(a, b, color=colors[i % len(colors)], zorder=0)
+        ax.text(
+            (a + b) / 2,
+            1.0,
+            name,
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+
+
+def plot_sweep(results: list[dict], path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next((r for r in results if r["config"]["name"] == "plain"), None)
+    base_by_c = {p["key"]: p["tok_s"] for p in _points(base)} if base else {}
+    fig, (ax_s, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in results:
+        pts = [p for p in _points(r) if p["key"] in base_by_c]
+        if not pts:
+            continue
+        cs = [p["key"] for p in pts]
+        ax_s.plot(
+            cs,
+            [p["tok_s"] / base_by_c[p["key"]] for p in pts],
+            marker="o",
+            label=r["config"]["name"],
+        )
+        ax_v.plot(
+            cs,
+            [p.get("verify_len") or 1.0 for p in pts],
+            marker="o",
+            label=r["config"]["name"],
+        )
+    for ax in (ax_s, ax_v):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+    ax_s.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_s.set_ylabel("throughput / plain vLLM")
+    ax_v.set_ylabel("tokens verified per round")
+    ax_s.legend(fontsize=8)
+    fig.suptitle(title or "Speedup vs concurrency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(results: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for r in results:
+        rates: list[list[float]] = []
+        for p in _points(r):
+            if p.get("accept_per_pos"):
+                rates.append(p["accept_per_pos"])
+        if not rates:
+            continue
+        k = max(len(x) for x in rates)
+        mean = [sum(x[j] for x in rates if j < len(x)) / len(rates) for j in range(k)]
+        ax.plot(range(1, k + 1), mean, marker="o", label=r["config"]["name"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (of drafted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

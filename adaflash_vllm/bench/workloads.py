@@ -1,0 +1,68 @@
+"""Benchmark workloads: prompt sets, the domain-shift stream, the concurrency sweep.
+
+A prompt set is a bundled name (`prose`, `math`, `code`: the demo's held-out
+prompts in examples/demo/data/) or any JSONL file with a `prompt` field. Prompts are
+wrapped in the target's chat template and taken in file order (seeded shuffle when
+asked), so every configuration in a run sees the same requests.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaflash_vllm.training.data import chat_prompts, load_prompts
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_DATA = REPO_ROOT / "examples" / "demo" / "data"
+BUNDLED_SETS = {
+    "prose": "prompts_prose.jsonl",
+    "math": "prompts_math.jsonl",
+    "code": "prompts_code.jsonl",
+}
+
+
+def prompt_set_path(name: str) -> Path:
+    if name in BUNDLED_SETS:
+        return BUNDLED_DATA / BUNDLED_SETS[name]
+    return Path(name)
+
+
+@dataclass
+class Phase:
+    name: str
+    prompts: list[str]  # chat-templated, ready for the engine
+
+
+@dataclass
+class Workload:
+    """`shift`: phases served in order, reported per window of requests.
+    `sweep`: one prompt list served at each concurrency."""
+
+    kind: str  # "shift" | "sweep"
+    phases: list[Phase]
+    window: int = 16  # shift: requests per reported window
+    concurrencies: tuple[int, ...] = (1, 4, 16, 32, 64)
+    max_tokens: int = 128
+    temperature: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:" + "+".join(p.name for p in self.phases)
+
+
+def load_phase(
+    name: str, tokenizer, *, count: int, offset: int = 0, seed: int | None = None
+) -> Phase:
+    """`count` prompts of set `name` (after `offset`), chat-templated."""
+    records = load_prompts(prompt_set_path(name))
+    if seed is not None:
+        random.Random(seed).shuffle(records)
+    chosen = records[offset : offset + count]
+    if len(chosen) < count:  # cycle small sets rather than fail a long stream
+        chosen = (records * (count // max(1, len(records)) + 2))[
+            offset : offset + count
+        ]
+    label = Path(name).stem if name not in BUNDLED_SETS else name
+    return Phase(label, chat_prompts(tokenizer, [r["prompt"] for r in chosen]))

