@@ -13,8 +13,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from adaflash_vllm.bench.results import (

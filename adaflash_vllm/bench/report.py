@@ -80,7 +80,8 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
             runs = p.get("tok_s_runs") or [p["tok_s"]]
             lines.append(
                 f"| {name} | {p['key']} | {p['tok_s']:.1f} "
-                f"({min(runs):.0f}-{max(runs):.0f}) | {_fmt(speedup, 'x')} | {_fmt(p.get('tau'))} | "
+                f"({min(runs):.0f}-{max(runs):.0f}) | {_fmt(speedup, 'x')} | "
+                f"{_fmt(p.get('tau'))} | "
                 f"{_fmt(p.get('verify_len'))} | {_fmt(p.get('ttft_ms_p50'), '', 1)} | "
                 f"{_fmt(p.get('tpot_ms_p50'), '', 2)} | {p.get('failed_requests', 0)} |"
             )
