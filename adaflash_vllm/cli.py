@@ -31,6 +31,12 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args)
 
 
+def _cmd_trainer(args: argparse.Namespace) -> None:
+    from adaflash_vllm.training.online import main_trainer
+
+    main_trainer(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     from adaflash_vllm.bench.cli import run_bench
 
@@ -66,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_demo_args(p)
     p.set_defaults(func=_cmd_demo)
+
+    from adaflash_vllm.training.online import add_trainer_args
+
+    p = sub.add_parser("trainer", help="online distillation trainer: tail the buffer, "
+                       "train, publish and push drafter versions")
+    add_trainer_args(p)
+    p.set_defaults(func=_cmd_trainer)
 
     from adaflash_vllm.bench.cli import add_bench_args
 

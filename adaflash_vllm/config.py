@@ -51,11 +51,63 @@ class MetricsConfig(_Struct):
     # The engine core publishes its counters at most this often (0 = every step).
 
 
+class OnlineConfig(_Struct):
+    """Online on-policy distillation: log what is served, train, hot-swap."""
+
+    enabled: bool = False
+    # Log finished requests and swap in versions the trainer publishes.
+    buffer_dir: str = "adaflash-online/buffer"
+    # Trajectory segments (relative paths: against the working directory).
+    versions_dir: str = "adaflash-online/versions"
+    # Published drafter versions (also where a restarted engine resumes from).
+    buffer_max_mb: Annotated[float, Meta(gt=0)] = 512.0
+    # Cap on the buffer's disk use; the oldest segments are deleted beyond it.
+    segment_mb: Annotated[float, Meta(gt=0)] = 16.0
+    queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096
+    # Finished requests waiting for the writer thread; more are dropped, counted.
+    log_requests: bool = True
+    # Default for requests that do not say (`extra_args: {"adaflash_log": false}`).
+    train_every: Annotated[int, Meta(ge=1)] = 128
+    # New trajectories per training round.
+    epochs: Annotated[int, Meta(ge=1, le=100)] = 2
+    batch_size: Annotated[int, Meta(ge=1, le=1024)] = 2
+    # Sequences per optimizer step (the effective batch).
+    lr: Annotated[float, Meta(gt=0, le=1.0)] = 3e-4
+    alpha: Annotated[float, Meta(ge=0, le=1)] = 0.8
+    # Loss mix: alpha * CE(target top-1) + (1 - alpha) * clipped reverse KL.
+    delta: Annotated[float, Meta(gt=0)] = 0.01
+    # Entry-wise clip of the reverse-KL terms (see training/losses.py for the sign rule).
+    gamma: Annotated[float, Meta(gt=0)] = 4.0
+    # Position decay w_k = exp(-(k-1)/gamma) over the K draft slots.
+    num_anchors: Annotated[int, Meta(ge=0, le=4096)] = 32
+    # Random anchors per sequence besides the logged round positions.
+    max_len: Annotated[int, Meta(ge=16)] = 2048
+    grad_clip: Annotated[float, Meta(gt=0)] = 1.0
+    spawn_trainer: bool = False
+    # Start `adaflash trainer` from the engine (else run it yourself).
+    trainer_cores: list[Annotated[int, Meta(ge=0)]] | None = None
+    # CPU cores for the trainer process (None = no pinning).
+    trainer_device: Literal["auto", "cpu", "cuda"] = "auto"
+    push: bool = True
+    # Push new versions over torch.distributed (else workers read the folder).
+    push_host: str = "127.0.0.1"
+    push_port: Annotated[int, Meta(ge=1024, le=65535)] = 29650
+    push_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 10.0
+    poll_interval_s: Annotated[float, Meta(ge=0, le=600)] = 1.0
+    # How often the engine looks for a new version (between steps).
+    gate_window: Annotated[int, Meta(ge=0)] = 256
+    # Rounds of live tau compared between a new version and the previous one
+    # (0 = no regression gate).
+    gate_margin: Annotated[float, Meta(ge=0, le=1)] = 0.05
+    # Roll back when the new version's tau is worse by more than this fraction.
+
+
 class AdaFlashConfig(_Struct):
     """The whole `"adaflash"` section; `{}` turns AdaFlash on with defaults."""
 
     length: LengthConfig = msgspec.field(default_factory=LengthConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    online: OnlineConfig = msgspec.field(default_factory=OnlineConfig)
     per_request_metrics: Literal["none", "summary", "detailed"] = "summary"
     # Sets vLLM's --per-request-spec-decode-metrics unless given explicitly.
 
@@ -65,6 +117,8 @@ class RuntimeInfo(_Struct):
 
     num_speculative_tokens: int
     stats_path: str  # file the engine core publishes AdaFlash counters to
+    target: str = ""  # the served model (the online trainer loads its own copy)
+    drafter: str = ""  # the drafter the engine started from (version 0)
 
 
 def iter_config_keys(cls: type = AdaFlashConfig, prefix: str = ADAFLASH_KEY):
@@ -170,6 +224,12 @@ def split_adaflash_section(spec: dict) -> tuple[dict, AdaFlashConfig | None]:
         return spec, None
     section = spec.pop(ADAFLASH_KEY)
     cfg = parse_adaflash_section({} if section is None else section)
+    check_spec_for_adaflash(spec)
+    return spec, cfg
+
+
+def check_spec_for_adaflash(spec: dict) -> None:
+    """vLLM keys AdaFlash needs: `method` dflash (defaulted) and K in range."""
     method = spec.setdefault("method", "dflash")
     if method != "dflash":
         raise AdaFlashConfigError(
@@ -182,7 +242,6 @@ def split_adaflash_section(spec: dict) -> tuple[dict, AdaFlashConfig | None]:
             f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_TOKENS}] "
             f"(got {k!r}); for a block-16 DFlash drafter use 15."
         )
-    return spec, cfg
 
 
 def config_from_additional(additional: dict | None) -> AdaFlashConfig | None:

@@ -20,6 +20,7 @@ from adaflash_vllm.config import (
     RUNTIME_KEY,
     AdaFlashConfig,
     RuntimeInfo,
+    check_spec_for_adaflash,
     parse_adaflash_section,
     read_speculative_config,
     split_adaflash_section,
@@ -46,6 +47,8 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
     if cfg is None and ADAFLASH_KEY in (args.additional_config or {}):
         # Given as --additional-config '{"adaflash": {...}}', or a second call.
         cfg = parse_adaflash_section(args.additional_config[ADAFLASH_KEY])
+        check_spec_for_adaflash(spec)
+        args.speculative_config = spec
     if cfg is None:
         return None
     check_drafter_dir(spec.get("model"))
@@ -57,11 +60,14 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
     if getattr(args, "per_request_spec_decode_metrics", "none") == "none":
         args.per_request_spec_decode_metrics = cfg.per_request_metrics
     extra = dict(args.additional_config or {})
+    cfg = resolve_online_paths(cfg)
     extra[ADAFLASH_KEY] = msgspec.to_builtins(cfg)
     extra[RUNTIME_KEY] = msgspec.to_builtins(
         RuntimeInfo(
             num_speculative_tokens=spec["num_speculative_tokens"],
             stats_path=_new_stats_path(),
+            target=_abs_if_local(args.model),
+            drafter=_abs_if_local(spec.get("model", "")),
         )
     )
     args.additional_config = extra
@@ -110,6 +116,21 @@ def _require_sync_mrv1(args: Any) -> None:
             f"{v2}. Unset it or set VLLM_USE_V2_MODEL_RUNNER=0."
         )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def resolve_online_paths(cfg: AdaFlashConfig) -> AdaFlashConfig:
+    """Make the online folders absolute, so the trainer and a restarted engine agree
+    whatever their working directory."""
+    online = msgspec.structs.replace(
+        cfg.online,
+        buffer_dir=os.path.abspath(cfg.online.buffer_dir),
+        versions_dir=os.path.abspath(cfg.online.versions_dir),
+    )
+    return msgspec.structs.replace(cfg, online=online)
+
+
+def _abs_if_local(path: str) -> str:
+    return os.path.abspath(path) if path and os.path.exists(path) else path
 
 
 def _new_stats_path() -> str:

@@ -45,6 +45,17 @@ W2. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.take_draft_token_ids`
     (`AdaFlashProposer.take_budgets`). Upstream: vLLM's MRv2 adaptive verification
     trims on the GPU instead; MRv1 has nothing. Keep while AdaFlash runs on MRv1.
 
+W4. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model`
+W5. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens`
+    Why: online distillation swaps drafter weights between steps; the scheduler
+    orders a swap by attaching a `SwapOrder` to the `SchedulerOutput`, and the
+    worker must carry it out before that step's forward and report back.
+    How: W4 runs `AdaFlashProposer.apply_swap` when the attribute is present, then
+    the original; W5 attaches the result to the step's `ModelRunnerOutput`. Both
+    are no-ops without the attribute. Upstream: vLLM's draft weight update API
+    (`start_draft_weight_update`) reloads through the layerwise path, which breaks
+    DFlash on CPU (empty packed weights, stale fused K/V). Keep until it does not.
+
 W3. CPU override of `vllm.v1.sample.rejection_sampler.expand_kernel`
     (`vllm.utils.cpu_triton_utils._expand_kernel_impl`, vLLM's kernel registry)
     Why: the C++ fallback casts the *output* to int64 and writes into that
@@ -201,7 +212,7 @@ def _wrap_create_engine_config(orig: Callable) -> Callable:
 
 
 def apply_worker_patches() -> None:
-    """W1, W2, W3. Idempotent; imports vLLM's model runner (seconds): workers only."""
+    """W1-W5. Idempotent; imports vLLM's model runner (seconds): workers only."""
     _check_version()
     import vllm.v1.worker.gpu_model_runner as gmr
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -229,6 +240,14 @@ def apply_worker_patches() -> None:
         )
     if not is_applied("W3"):
         _fix_cpu_expand_kernel()
+    if not is_applied("W4"):
+        orig = _check_signature(gmr.GPUModelRunner, "execute_model",
+                                ("self", "scheduler_output", "intermediate_tensors"))
+        _install("W4", gmr.GPUModelRunner, "execute_model", _wrap_execute_model(orig))
+    if not is_applied("W5"):
+        orig = _check_signature(gmr.GPUModelRunner, "sample_tokens",
+                                ("self", "grammar_output"))
+        _install("W5", gmr.GPUModelRunner, "sample_tokens", _wrap_sample_tokens(orig))
 
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
@@ -299,3 +318,24 @@ def _wrap_take_draft_token_ids(orig: Callable) -> Callable:
         return draft
 
     return take_draft_token_ids
+
+
+def _wrap_execute_model(orig: Callable) -> Callable:
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        order = getattr(scheduler_output, "adaflash_swap", None)
+        if order is not None:
+            self._adaflash_swap_result = self.drafter.apply_swap(order)
+        return orig(self, scheduler_output, intermediate_tensors)
+
+    return execute_model
+
+
+def _wrap_sample_tokens(orig: Callable) -> Callable:
+    def sample_tokens(self, grammar_output):
+        output = orig(self, grammar_output)
+        result = self.__dict__.pop("_adaflash_swap_result", None)
+        if result is not None and output is not None:
+            output.adaflash_swap_result = result
+        return output
+
+    return sample_tokens

@@ -21,6 +21,7 @@ from vllm.v1.request import Request
 
 from adaflash_vllm.config import config_from_additional, runtime_from_additional
 from adaflash_vllm.metrics import RoundStats, StatsPublisher
+from adaflash_vllm.online_engine import OnlineController
 
 logger = init_logger(__name__)
 
@@ -55,7 +56,24 @@ class AdaFlashScheduler(Scheduler):
             if runtime is not None and self.adaflash is not None
             else None
         )
+        self.online = (
+            OnlineController(self.adaflash, runtime)
+            if self.adaflash is not None and self.adaflash.online.enabled
+            else None
+        )
         logger.info("AdaFlash scheduler active (K=%d, config %s)", k, self.adaflash)
+
+    @override
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        if self.online is not None:
+            self.online.poll()
+            # Only a step that runs the model reaches the workers' swap hook.
+            if output.total_num_scheduled_tokens > 0:
+                order = self.online.take_order()
+                if order is not None:
+                    output.adaflash_swap = order
+        return output
 
     @override
     def update_from_output(
@@ -65,8 +83,13 @@ class AdaFlashScheduler(Scheduler):
     ) -> dict[int, EngineCoreOutputs]:
         before = self._decode_rounds_before(scheduler_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.online is not None and hasattr(scheduler_output, "adaflash_swap"):
+            self.online.on_swap_result(
+                getattr(model_runner_output, "adaflash_swap_result", None))
         self._record_rounds(before, model_runner_output)
         finished = self._forget_finished(before)
+        if self.online is not None:
+            self.round_stats.extra = self.online.gauges_if_due()
         if self._publisher is not None:
             # Publish at once when a request ends, so clients that read /metrics
             # right after their response see its rounds.
@@ -105,6 +128,8 @@ class AdaFlashScheduler(Scheduler):
             accepted = min(len(generated) - 1, k)
             self.rounds.setdefault(req_id, RequestRounds()).add(position, k, accepted)
             self.round_stats.observe_round(k, accepted)
+            if self.online is not None:
+                self.online.observe_round(accepted)
 
     def _forget_finished(
         self, before: dict[str, tuple[Request, int, int | None]]
@@ -119,7 +144,9 @@ class AdaFlashScheduler(Scheduler):
     def on_request_finished(self, request: Request) -> None:
         """Called once per finished request; drops its rounds."""
         self.round_stats.requests_finished += 1
-        self.rounds.pop(request.request_id, None)
+        rounds = self.rounds.pop(request.request_id, None)
+        if self.online is not None:
+            self.online.log_request(request, rounds)
 
     @override
     def finish_requests(self, request_ids, finished_status) -> list[Request]:
@@ -130,6 +157,9 @@ class AdaFlashScheduler(Scheduler):
 
     @override
     def shutdown(self) -> None:
+        if self.online is not None:
+            self.round_stats.extra = self.online.gauges()
+            self.online.shutdown()
         if self._publisher is not None:
             self._publisher.maybe_publish(self.round_stats, force=True)
         super().shutdown()

@@ -40,3 +40,20 @@ class AdaFlashWorkerExtension:
         if drafter.captures is not None:
             drafter.captures = []
         return captures
+
+    def adaflash_checksums(self) -> dict[str, str]:
+        """Exact checksums of the target's parameters and the drafter's own ones
+        (never-touch-the-target checks)."""
+        from adaflash_vllm.swap import tensor_checksum
+
+        runner = self.model_runner
+        target = runner.get_model()
+        drafter = runner.drafter.model
+        target_names = {id(p) for p in target.parameters()}
+        own = [p for n, p in sorted(drafter.named_parameters())
+               if id(p) not in target_names]
+        return {
+            "target": tensor_checksum([p for _, p in sorted(target.named_parameters())]),
+            "drafter_own": tensor_checksum(own),
+            "drafter_fused_kv": tensor_checksum([drafter.model._fused_kv_weight]),
+        }

@@ -56,6 +56,35 @@ class AdaFlashProposer(DFlashProposer):
             hf_config.architectures = saved
 
     @override
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        self.swapper = None
+        if self.adaflash is None or not self.adaflash.online.enabled:
+            return
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        from adaflash_vllm.swap import DrafterSwapper
+
+        online = self.adaflash.online
+        self.swapper = DrafterSwapper(
+            self.model, push_timeout_s=online.push_timeout_s,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=get_tensor_model_parallel_world_size())
+        # A restarted engine resumes from the newest good version: the scheduler
+        # orders that swap for the first step (one source of truth for the version).
+
+    def apply_swap(self, order) -> dict:
+        """Swap in the drafter version the scheduler ordered (between steps)."""
+        if getattr(self, "swapper", None) is None:
+            return {"ok": False, "version": order.version, "stall_s": 0.0,
+                    "error": "online distillation is off in this worker"}
+        return self.swapper.apply_order(order)
+
+    @override
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # hidden_states: [B * K, H], the drafter's outputs at the K mask positions.
         if self.budget_policy is not None or self.captures is not None:

@@ -92,6 +92,18 @@ class TinyModels:
 
 
 def build_tiny_models(root: Path) -> TinyModels:
+    """Build the tiny target, a random drafter and a drafter trained on it."""
+    # One thread: tiny matrices gain nothing from more, and an oversubscribed
+    # machine turns OpenMP spin-waits into minutes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build_tiny_models(root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_tiny_models(root: Path) -> TinyModels:
     from adaflash_vllm.training.data import Sequence
     from adaflash_vllm.training.features import TargetModel
     from adaflash_vllm.training.offline import (

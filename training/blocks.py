@@ -82,7 +82,7 @@ def block_labels(
     each slot (a + k - 1); label_valid is False past the sequence end and for
     padding anchors.
     """
-    k = torch.arange(1, num_drafts + 1)
+    k = torch.arange(1, num_drafts + 1, device=batch.anchors.device)
     target_pos = batch.anchors.unsqueeze(-1) + k  # [B, M, K]
     n = batch.input_ids.shape[1]
     inside = target_pos < n

@@ -1,0 +1,204 @@
+"""Hot swap of drafter weights inside a running vLLM worker (in place, between steps).
+
+vLLM's own reload paths break DFlash on CPU: linear weights are prepacked (the
+`.weight` becomes an empty tensor) and `_fused_kv_weight` / `_k_norm_weights` are
+copies built at load time. `apply_drafter_state` therefore writes every
+drafter-owned tensor in place (re-packing CPU linears), then copies the fused K/V
+weight and stacked k-norms *in place* (stable addresses, so CUDA graphs that
+captured them stay valid). The embedding and lm_head are shared with the target
+and are never written: a state that names them is rejected.
+
+Checkpoint names (z-lab) -> vLLM modules, layer i:
+    self_attn.{q,k,v}_proj -> self_attn.qkv_proj (rows q | k | v)
+    mlp.{gate,up}_proj     -> mlp.gate_up_proj   (rows gate | up)
+    everything else        -> the module of the same name
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from adaflash_vllm.errors import AdaFlashError
+
+
+class SwapRejected(AdaFlashError, ValueError):
+    """A pushed drafter state is unusable (keys, shapes or values); not applied."""
+
+
+def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> shape for the live drafter `model` (vLLM module)."""
+    cfg = model.config
+    h, hd = cfg.hidden_size, getattr(cfg, "head_dim", None) or (
+        cfg.hidden_size // cfg.num_attention_heads)
+    nh, nkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nh * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nh * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["norm.weight"] = (h,)
+    shapes["hidden_norm.weight"] = (h,)
+    if getattr(model.model, "use_aux_hidden_state", True):
+        shapes["fc.weight"] = (h, model.model.fc.input_size)
+    return shapes
+
+
+def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise SwapRejected unless `state` has exactly the drafter's keys and shapes,
+    and only finite values."""
+    shapes = expected_shapes(model)
+    owned = [k for k in state if "embed_tokens" in k or "lm_head" in k]
+    if owned:
+        raise SwapRejected(f"state writes target-owned tensors {owned}")
+    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or extra:
+        raise SwapRejected(f"key mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    for key, shape in shapes.items():
+        got = tuple(state[key].shape)
+        if got != shape:
+            raise SwapRejected(f"{key}: shape {got}, drafter has {shape}")
+        if not torch.isfinite(state[key]).all():
+            raise SwapRejected(f"{key}: NaN or inf values")
+
+
+def _set_linear(layer: nn.Module, weight: torch.Tensor) -> None:
+    weight = weight.to(dtype=layer.params_dtype if hasattr(layer, "params_dtype")
+                       else weight.dtype)
+    if layer.weight.numel() == 0:  # CPU: prepacked, the plain weight was removed
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    else:
+        layer.weight.data.copy_(weight.to(layer.weight.device))
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+@torch.no_grad()
+def apply_drafter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Validate, then write `state` into the live drafter `model` in place."""
+    validate_state(model, state)
+    inner = model.model
+    fused_kv, k_norms = [], []
+    for i, layer in enumerate(inner.layers):
+        p = f"layers.{i}."
+        attn = layer.self_attn
+        k, v = state[p + "self_attn.k_proj.weight"], state[p + "self_attn.v_proj.weight"]
+        _set_linear(attn.qkv_proj, torch.cat([state[p + "self_attn.q_proj.weight"], k, v]))
+        _set_linear(attn.o_proj, state[p + "self_attn.o_proj.weight"])
+        _copy(attn.q_norm.weight, state[p + "self_attn.q_norm.weight"])
+        _copy(attn.k_norm.weight, state[p + "self_attn.k_norm.weight"])
+        _set_linear(layer.mlp.gate_up_proj, torch.cat(
+            [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+        _set_linear(layer.mlp.down_proj, state[p + "mlp.down_proj.weight"])
+        _copy(layer.input_layernorm.weight, state[p + "input_layernorm.weight"])
+        _copy(layer.post_attention_layernorm.weight,
+              state[p + "post_attention_layernorm.weight"])
+        fused_kv.append(torch.cat([k, v]))
+        k_norms.append(state[p + "self_attn.k_norm.weight"])
+    _copy(inner.norm.weight, state["norm.weight"])
+    _copy(inner.hidden_norm.weight, state["hidden_norm.weight"])  # aliased buffer
+    if "fc.weight" in state:
+        _set_linear(inner.fc, state["fc.weight"])
+    if getattr(inner, "_fused_kv_weight", None) is not None:
+        _copy(inner._fused_kv_weight, torch.cat(fused_kv))
+    if getattr(inner, "_k_norm_weights", None) is not None:
+        _copy(inner._k_norm_weights, torch.stack(k_norms))
+
+
+def tensor_checksum(tensors: list[torch.Tensor]) -> str:
+    """Order-sensitive checksum of tensor bytes (exact, for never-touch checks)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                      if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def target_checksum(target: nn.Module) -> str:
+    return tensor_checksum([p for _, p in sorted(target.named_parameters())])
+
+
+def state_nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+class DrafterSwapper:
+    """Worker side of online swaps: fetch a version (push, else its folder), check
+    it, write it in place, record the version.
+
+    Args:
+        model: the live vLLM drafter (`AdaFlashDFlashForCausalLM`).
+        push_timeout_s: bound on every wait for the trainer.
+        backend: "gloo" on CPU, "nccl" on GPU.
+    """
+
+    def __init__(self, model: nn.Module, *, push_timeout_s: float, backend: str,
+                 tp_rank: int = 0, tp_size: int = 1):
+        from adaflash_vllm.transport import WorkerChannel
+
+        self.model = model
+        self.tp_size = tp_size
+        self.channel = WorkerChannel(rank=tp_rank, num_workers=tp_size, backend=backend,
+                                     timeout_s=push_timeout_s)
+        self._push_broken_session: str | None = None
+
+    def load_folder(self, path: str, version: int) -> None:
+        from adaflash_vllm.training.checkpoint import load_drafter
+
+        _, state = load_drafter(path)
+        apply_drafter_state(self.model, state)
+        self.model.drafter_version = version
+
+    def apply_order(self, order) -> dict:
+        """Carry out a `SwapOrder`; never raises (the result says what happened)."""
+        import time
+
+        from vllm.logger import init_logger
+
+        logger = init_logger(__name__)
+        t0 = time.perf_counter()
+        if self.tp_size != 1:
+            return {"ok": False, "version": order.version, "stall_s": 0.0,
+                    "error": "online swaps support tensor_parallel_size=1 only"}
+        state, via = None, "folder"
+        push = order.push
+        if push and push.get("session") != self._push_broken_session:
+            try:
+                state = self.channel.fetch(order.version, push["host"], push["port"],
+                                           push["session"])
+                via = "push" if state is not None else via
+            except Exception as e:  # noqa: BLE001  (trainer gone: use the folder)
+                self._push_broken_session = push.get("session")
+                logger.warning("AdaFlash: push of version %d failed (%s); loading "
+                               "its folder", order.version, e)
+        try:
+            if state is None:
+                from adaflash_vllm.training.checkpoint import load_drafter
+
+                _, state = load_drafter(order.path)
+            apply_drafter_state(self.model, state)
+        except (SwapRejected, OSError, ValueError, RuntimeError) as e:
+            return {"ok": False, "version": order.version, "error": str(e),
+                    "stall_s": time.perf_counter() - t0}
+        self.model.drafter_version = order.version
+        return {"ok": True, "version": order.version, "via": via,
+                "stall_s": time.perf_counter() - t0}

@@ -1,0 +1,393 @@
+"""The online on-policy distillation trainer (`adaflash trainer`).
+
+A separate process with its own frozen copy of the target. It tails the trajectory
+buffer; every `online.train_every` new trajectories it recomputes the target's
+pre-norm features and logits along the served sequences, runs the drafter on blocks
+anchored at the logged round positions (plus random ones), takes AdamW steps on the
+OPD loss (`adaflash_vllm.kernels.opd_loss`: Triton on CUDA, the torch reference
+elsewhere), publishes a new version and offers it to the engine's workers over the
+torch.distributed weight channel.
+
+State that survives a crash (versions_dir/trainer/): the buffer position and the
+optimizer; the weights resume from the newest good published version.
+
+Run: adaflash trainer --config adaflash.json --target MODEL
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
+from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
+from adaflash_vllm.errors import AdaFlashConfigError
+from adaflash_vllm.training.blocks import (
+    accepted_lengths,
+    block_labels,
+    gather_teacher,
+    make_batch,
+    student_logits,
+)
+from adaflash_vllm.training.data import Sequence
+from adaflash_vllm.training.drafter import DFlashDrafter
+from adaflash_vllm.training.features import TargetModel
+from adaflash_vllm.training.losses import position_decay_weights
+from adaflash_vllm.versions import (
+    latest_version,
+    newest_good_version,
+    publish_version,
+    rejected_versions,
+)
+
+HEARTBEAT = "trainer.json"
+
+
+@dataclass
+class RoundMetrics:
+    """What one training round did (also stored in the version's manifest)."""
+
+    trajectories: int
+    steps: int
+    loss: float
+    ce: float
+    rkl: float
+    clip_fraction: float
+    clipped_rows_fraction: float
+    accept_before: float  # mean greedy accepted drafts per block, first epoch
+    accept_after: float  # same blocks, after training (no grad)
+    seconds: float
+    tokens_per_s: float
+
+
+class OnlineTrainer:
+    """Distils the drafter from served trajectories; see the module docstring.
+
+    Args:
+        cfg: the `adaflash` section (its `online` part drives the trainer).
+        target_path: the served target model (HF folder).
+        drafter_path: the drafter the engine started from (version 0).
+        num_drafts: K, the engine's num_speculative_tokens.
+    """
+
+    def __init__(self, cfg: AdaFlashConfig, *, target_path: str, drafter_path: str,
+                 num_drafts: int, device: str = "cpu", push: bool | None = None):
+        self.cfg: OnlineConfig = cfg.online
+        self.num_drafts = num_drafts
+        self.device = torch.device(device)
+        self.state_dir = Path(self.cfg.versions_dir) / "trainer"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.target = TargetModel(target_path, device=self.device)
+        self.drafter_path = drafter_path
+        self.version, self.drafter = self._load_drafter()
+        self._check_fits_target()
+        self.decay = position_decay_weights(num_drafts, self.cfg.gamma).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr)
+        self.reader = BufferReader(self.cfg.buffer_dir, self._load_position())
+        self._restore_optimizer()
+        self.pending: list[Trajectory] = []
+        self.session = uuid.uuid4().hex[:12]
+        self.push_server = None
+        if self.cfg.push if push is None else push:
+            from adaflash_vllm.transport import PushServer
+
+            self._check_port_free()
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.push_server = PushServer(self.cfg.push_host, self.cfg.push_port,
+                                          backend=backend).start()
+        self.status = "idle"
+        self.history: list[dict] = []
+        self._beat_stop = threading.Event()
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    # ------------------------------------------------------------- startup
+    def _load_drafter(self) -> tuple[int, DFlashDrafter]:
+        from adaflash_vllm.training.checkpoint import load_drafter
+
+        good = newest_good_version(self.cfg.versions_dir)
+        path, version = (good.path, good.version) if good else (self.drafter_path, 0)
+        cfg, state = load_drafter(path)
+        drafter = DFlashDrafter(cfg).to(self.device)
+        drafter.load_state_dict(state)
+        return version, drafter
+
+    def _check_fits_target(self) -> None:
+        n = self.target.num_layers
+        bad = [i for i in self.drafter.target_layer_ids if not 0 <= i < n]
+        hidden = self.target.config["hidden_size"]
+        if bad or self.drafter.cfg["hidden_size"] != hidden:
+            raise AdaFlashConfigError(
+                f"the drafter ({self.drafter_path}) does not fit the trainer's target "
+                f"{self.target.path} (target_layer_ids {self.drafter.target_layer_ids} vs "
+                f"{n} layers, hidden {self.drafter.cfg['hidden_size']} vs {hidden}); "
+                "start the trainer with the engine's target and drafter."
+            )
+
+    def _check_port_free(self) -> None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((self.cfg.push_host, self.cfg.push_port))
+            except OSError as e:
+                raise AdaFlashConfigError(
+                    f"online.push_port {self.cfg.push_port} on {self.cfg.push_host} is "
+                    f"in use ({e}); pick a free port in adaflash.json (the engine "
+                    "reads the same file) or stop the other trainer."
+                ) from None
+
+    def _load_position(self) -> BufferPosition:
+        try:
+            data = json.loads((self.state_dir / "state.json").read_text())
+            return BufferPosition(**data["buffer"])
+        except (OSError, ValueError, KeyError):
+            return BufferPosition()
+
+    def _restore_optimizer(self) -> None:
+        path = self.state_dir / "optimizer.pt"
+        if not path.exists():
+            return
+        saved = torch.load(path, weights_only=False)
+        if saved.get("version") == self.version:
+            self.optimizer.load_state_dict(saved["optimizer"])
+
+    def _save_state(self) -> None:
+        tmp = self.state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps({"buffer": asdict(self.reader.position),
+                                   "version": self.version, "session": self.session}))
+        tmp.replace(self.state_dir / "state.json")
+        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict()},
+                   self.state_dir / "optimizer.pt.tmp")
+        os.replace(self.state_dir / "optimizer.pt.tmp", self.state_dir / "optimizer.pt")
+
+    def _heartbeat(self) -> None:
+        path = Path(self.cfg.versions_dir) / HEARTBEAT
+        while not self._beat_stop.is_set():
+            beat = {"session": self.session, "host": self.cfg.push_host,
+                    "port": self.cfg.push_port, "pid": os.getpid(), "time": time.time(),
+                    "version": self.version, "status": self.status,
+                    "push": self.push_server is not None}
+            if self.push_server is None:
+                beat["host"] = beat["port"] = None
+            try:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(beat))
+                tmp.replace(path)
+            except OSError:
+                pass
+            self._beat_stop.wait(2.0)
+
+    # ---------------------------------------------------------------- loop
+    def run(self, *, max_rounds: int | None = None, idle_sleep_s: float = 0.5,
+            stop: threading.Event | None = None) -> None:
+        """Tail the buffer and train every `train_every` trajectories."""
+        rounds = 0
+        while not (stop and stop.is_set()) and (max_rounds is None or rounds < max_rounds):
+            self.pending.extend(self.reader.read_new())
+            if len(self.pending) < self.cfg.train_every:
+                self.status = "waiting"
+                time.sleep(idle_sleep_s)
+                continue
+            batch = self.pending[: self.cfg.train_every]
+            self.pending = self.pending[self.cfg.train_every:]
+            self.train_round(batch)
+            rounds += 1
+
+    def train_round(self, trajectories: list[Trajectory]) -> RoundMetrics:
+        """Distil on `trajectories`, publish and offer the new version."""
+        self.status = "training"
+        self._follow_rejections()
+        seqs, forced = self._sequences(trajectories)
+        t0 = time.perf_counter()
+        sums = {"loss": 0.0, "ce": 0.0, "rkl": 0.0, "w": 0.0, "clipped": 0,
+                "entries": 0, "rows_clipped": 0, "rows": 0, "acc": 0.0, "blocks": 0}
+        steps = tokens = 0
+        order = list(range(len(seqs)))
+        rng = random.Random(self.version)
+        for epoch in range(self.cfg.epochs):
+            rng.shuffle(order)
+            for i in range(0, len(order), self.cfg.batch_size):
+                idx = order[i:i + self.cfg.batch_size]
+                out = self.step([seqs[j] for j in idx], [forced[j] for j in idx],
+                                measure_accept=epoch == 0)
+                steps += 1
+                tokens += sum(len(seqs[j].token_ids) for j in idx)
+                for k in ("loss", "ce", "rkl", "w", "clipped", "entries", "rows_clipped",
+                          "rows", "acc", "blocks"):
+                    sums[k] += out[k]
+        accept_after = self.measure_accept(seqs, forced)
+        seconds = time.perf_counter() - t0
+        metrics = RoundMetrics(
+            trajectories=len(trajectories), steps=steps,
+            loss=sums["loss"] / max(sums["w"], 1e-9), ce=sums["ce"] / max(sums["w"], 1e-9),
+            rkl=sums["rkl"] / max(sums["w"], 1e-9),
+            clip_fraction=sums["clipped"] / max(1, sums["entries"]),
+            clipped_rows_fraction=sums["rows_clipped"] / max(1, sums["rows"]),
+            accept_before=sums["acc"] / max(1, sums["blocks"]),
+            accept_after=accept_after, seconds=seconds, tokens_per_s=tokens / seconds)
+        self.publish(metrics)
+        self.status = "idle"
+        return metrics
+
+    def _sequences(self, trajectories: list[Trajectory]
+                   ) -> tuple[list[Sequence], list[list[int]]]:
+        seqs, forced = [], []
+        for t in trajectories:
+            ids = (t.prompt_token_ids + t.output_token_ids)[: self.cfg.max_len]
+            prompt_len = min(len(t.prompt_token_ids), len(ids))
+            seqs.append(Sequence(ids, prompt_len, t.domain or ""))
+            # The drafter block of a round was anchored at its position - 1.
+            forced.append([p - 1 for p in t.round_positions if p - 1 < len(ids) - 1])
+        return seqs, forced
+
+    def step(self, seqs: list[Sequence], forced: list[list[int]], *,
+             measure_accept: bool) -> dict[str, float]:
+        """One AdamW step on the OPD loss over the blocks of `seqs`."""
+        from adaflash_vllm.kernels import opd_loss
+
+        self.drafter.train()
+        batch = make_batch(seqs, num_anchors=self.cfg.num_anchors,
+                           forced_anchors=forced)
+        batch = _to(batch, self.device)
+        features, target_logits = self.target.features(
+            batch.input_ids, self.drafter.target_layer_ids, batch.valid.long())
+        labels, label_valid, teacher_index = block_labels(batch, self.num_drafts)
+        logits, _ = student_logits(self.drafter, self.target, batch, features,
+                                   self.num_drafts)
+        teacher = gather_teacher(target_logits, teacher_index)
+        weights = (self.decay.view(1, 1, -1) * label_valid).flatten()
+        v = logits.shape[-1]
+        out = opd_loss(logits.reshape(-1, v), teacher.reshape(-1, v),
+                       alpha=self.cfg.alpha, delta=self.cfg.delta, weights=weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        acc, blocks = 0.0, 0
+        if measure_accept:
+            with torch.no_grad():
+                lens = accepted_lengths(logits.argmax(-1), labels, label_valid)
+                acc, blocks = float(lens[batch.anchor_valid].sum()), \
+                    int(batch.anchor_valid.sum())
+        return {"loss": float(out.loss_sum), "ce": float(out.ce_sum),
+                "rkl": float(out.rkl_sum), "w": float(out.weight_sum),
+                "clipped": int(out.clipped_entries), "entries": out.total_entries,
+                "rows_clipped": int(out.clipped_rows), "rows": int((weights > 0).sum()),
+                "acc": acc, "blocks": blocks}
+
+    @torch.no_grad()
+    def measure_accept(self, seqs: list[Sequence], forced: list[list[int]]) -> float:
+        """Mean greedy accepted drafts per logged block with the current weights."""
+        self.drafter.eval()
+        total, blocks = 0.0, 0
+        for i in range(0, len(seqs), max(1, self.cfg.batch_size * 4)):
+            chunk, anchors = seqs[i:i + self.cfg.batch_size * 4], forced[i:i +
+                                                                       self.cfg.batch_size * 4]
+            batch = _to(make_batch(chunk, num_anchors=0, forced_anchors=anchors),
+                        self.device)
+            if not bool(batch.anchor_valid.any()):
+                continue
+            features, _ = self.target.features(batch.input_ids,
+                                               self.drafter.target_layer_ids,
+                                               batch.valid.long(), with_logits=False)
+            logits, _ = student_logits(self.drafter, self.target, batch, features,
+                                       self.num_drafts)
+            labels, label_valid, _ = block_labels(batch, self.num_drafts)
+            lens = accepted_lengths(logits.argmax(-1), labels, label_valid)
+            total += float(lens[batch.anchor_valid].sum())
+            blocks += int(batch.anchor_valid.sum())
+        return total / max(1, blocks)
+
+    # ------------------------------------------------------------- publish
+    def publish(self, metrics: RoundMetrics) -> int:
+        version = max(self.version, latest_version(self.cfg.versions_dir)) + 1
+        state = {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()}
+        publish_version(self.cfg.versions_dir, version, self.drafter.cfg, state, {
+            "parent_version": self.version, "session": self.session,
+            "metrics": asdict(metrics)})
+        self.version = version
+        if self.push_server is not None:
+            self.push_server.offer(version, state)
+        self._save_state()
+        self.history.append({"version": version, **asdict(metrics)})
+        print(json.dumps({"event": "published", "version": version,
+                          **{k: round(v, 5) if isinstance(v, float) else v
+                             for k, v in asdict(metrics).items()}}), flush=True)
+        return version
+
+    def _follow_rejections(self) -> None:
+        """If the engine rejected or rolled back our latest version, continue from the
+        newest good one instead (never build on a version serving refused)."""
+        if self.version and self.version in rejected_versions(self.cfg.versions_dir):
+            good = newest_good_version(self.cfg.versions_dir)
+            version, drafter = self._load_drafter()
+            self.drafter.load_state_dict(drafter.state_dict())
+            self.version = version
+            self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr)
+            print(json.dumps({"event": "rollback_followed", "version": version,
+                              "good": good.version if good else 0}), flush=True)
+
+    def close(self) -> None:
+        self._beat_stop.set()
+        if self.push_server is not None:
+            self.push_server.stop()
+
+
+def _to(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    for name in ("input_ids", "valid", "anchors", "anchor_valid", "prompt_lens"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
+def add_trainer_args(p) -> None:
+    p.add_argument("--config", required=True, help="the engine's adaflash.json")
+    p.add_argument("--target", required=True, help="the served target model folder")
+    p.add_argument("--drafter", help="version-0 drafter (default: the config's model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: config)")
+    p.add_argument("--max-rounds", type=int, default=None, help="stop after N rounds")
+
+
+def main_trainer(args) -> None:
+    from adaflash_vllm.config import read_speculative_config, split_adaflash_section
+    from adaflash_vllm.engine_setup import resolve_online_paths
+
+    spec, cfg = split_adaflash_section(read_speculative_config(args.config))
+    if cfg is None or not cfg.online.enabled:
+        raise AdaFlashConfigError(
+            f"{args.config}: the trainer needs an `adaflash.online` section with "
+            '"enabled": true (the engine must log what it serves)')
+    cfg = resolve_online_paths(cfg)
+    online = cfg.online
+    if online.trainer_cores:
+        os.sched_setaffinity(0, set(online.trainer_cores))
+        torch.set_num_threads(len(online.trainer_cores))
+    device = args.device or ("cuda" if online.trainer_device == "cuda" or (
+        online.trainer_device == "auto" and torch.cuda.is_available()) else "cpu")
+    print(json.dumps({"event": "start", "config": str(args.config), "device": device,
+                      "online": {k: getattr(online, k) for k in online.__struct_fields__},
+                      "git": _git_sha()}), flush=True)
+    trainer = OnlineTrainer(cfg, target_path=args.target,
+                            drafter_path=args.drafter or spec["model"],
+                            num_drafts=spec["num_speculative_tokens"], device=device)
+    try:
+        trainer.run(max_rounds=args.max_rounds)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        trainer.close()
+
+
+def _git_sha() -> str:
+    from adaflash_vllm.bench.results import git_sha
+
+    return git_sha()
