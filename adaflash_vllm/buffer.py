@@ -92,8 +92,14 @@ class BufferWriter:
         queue_size: records waiting to be written; more are dropped.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, max_bytes: int,
-                 segment_bytes: int, queue_size: int = 1024):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        max_bytes: int,
+        segment_bytes: int,
+        queue_size: int = 1024,
+    ):
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
@@ -103,8 +109,9 @@ class BufferWriter:
         self._fd: int | None = None
         self._segment = 0
         self._segment_size = 0
-        self._thread = threading.Thread(target=self._run, name="adaflash-buffer",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="adaflash-buffer", daemon=True
+        )
         self._thread.start()
 
     def append(self, traj: Trajectory) -> bool:
@@ -190,7 +197,9 @@ class BufferPosition:
 class BufferReader:
     """Reads whole records from `folder`, starting at `position` (trainer side)."""
 
-    def __init__(self, folder: str | os.PathLike, position: BufferPosition | None = None):
+    def __init__(
+        self, folder: str | os.PathLike, position: BufferPosition | None = None
+    ):
         self.folder = Path(folder)
         self.position = position or BufferPosition()
         self.corrupt_records = 0
@@ -205,11 +214,13 @@ class BufferReader:
                 continue
             if index > self.position.segment:
                 if self.position.segment and not self._segment_exists(
-                        self.position.segment):
+                    self.position.segment
+                ):
                     self.skipped_segments += 1  # evicted before we read it
                 self.position = BufferPosition(index, 0)
-            newer_exists = any(segment_index(p) > index
-                               for p in list_segments(self.folder))
+            newer_exists = any(
+                segment_index(p) > index for p in list_segments(self.folder)
+            )
             self._read_segment(path, out, limit, final=newer_exists)
             if limit is not None and len(out) >= limit:
                 break
@@ -218,8 +229,9 @@ class BufferReader:
     def _segment_exists(self, index: int) -> bool:
         return (self.folder / segment_name(index)).exists()
 
-    def _read_segment(self, path: Path, out: list[Trajectory], limit: int | None,
-                      final: bool) -> None:
+    def _read_segment(
+        self, path: Path, out: list[Trajectory], limit: int | None, final: bool
+    ) -> None:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -232,7 +244,7 @@ class BufferReader:
             end = pos + HEADER.size + length
             if end > len(data):
                 break  # torn or still being written
-            payload = data[pos + HEADER.size:end]
+            payload = data[pos + HEADER.size : end]
             if zlib.crc32(payload) != crc:
                 self.corrupt_records += 1
                 pos = len(data)  # cannot resync inside a torn segment

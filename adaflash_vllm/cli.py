@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from adaflash_vllm.training.online import add_trainer_args
 
-    p = sub.add_parser("trainer", help="online distillation trainer: tail the buffer, "
-                       "train, publish and push drafter versions")
+    p = sub.add_parser(
+        "trainer",
+        help="online distillation trainer: tail the buffer, "
+        "train, publish and push drafter versions",
+    )
     add_trainer_args(p)
     p.set_defaults(func=_cmd_trainer)
 

@@ -76,7 +76,7 @@ class OnlineConfig(_Struct):
     alpha: Annotated[float, Meta(ge=0, le=1)] = 0.8
     # Loss mix: alpha * CE(target top-1) + (1 - alpha) * clipped reverse KL.
     delta: Annotated[float, Meta(gt=0)] = 0.01
-    # Entry-wise clip of the reverse-KL terms (see training/losses.py for the sign rule).
+    # Entry-wise clip of the reverse-KL terms (sign rule: training/losses.py).
     gamma: Annotated[float, Meta(gt=0)] = 4.0
     # Position decay w_k = exp(-(k-1)/gamma) over the K draft slots.
     num_anchors: Annotated[int, Meta(ge=0, le=4096)] = 32

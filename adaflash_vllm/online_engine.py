@@ -11,7 +11,6 @@ worker answers through the `ModelRunnerOutput`).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -97,14 +96,20 @@ class OnlineController:
             Path(self.cfg.buffer_dir).mkdir(parents=True, exist_ok=True)
             Path(self.cfg.versions_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            logger.error("AdaFlash online: cannot create %s / %s (%s); serving goes on "
-                         "without logging (every finished request counted as dropped)",
-                         self.cfg.buffer_dir, self.cfg.versions_dir, e)
+            logger.error(
+                "AdaFlash online: cannot create %s / %s (%s); serving goes on "
+                "without logging (every finished request counted as dropped)",
+                self.cfg.buffer_dir,
+                self.cfg.versions_dir,
+                e,
+            )
             return None
-        return BufferWriter(self.cfg.buffer_dir,
-                            max_bytes=int(self.cfg.buffer_max_mb * 2**20),
-                            segment_bytes=int(self.cfg.segment_mb * 2**20),
-                            queue_size=self.cfg.queue_size)
+        return BufferWriter(
+            self.cfg.buffer_dir,
+            max_bytes=int(self.cfg.buffer_max_mb * 2**20),
+            segment_bytes=int(self.cfg.segment_mb * 2**20),
+            queue_size=self.cfg.queue_size,
+        )
 
     # ---------------------------------------------------------------- logging
     def log_request(self, request, rounds) -> None:
@@ -117,25 +122,30 @@ class OnlineController:
             self.counters.log_errors += 1
             return
         reason = request.get_finished_reason()
-        self.writer.append(Trajectory(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids or []),
-            output_token_ids=list(request.output_token_ids),
-            round_positions=list(rounds.positions) if rounds else [],
-            round_drafts=list(rounds.num_drafts) if rounds else [],
-            round_accepted=list(rounds.num_accepted) if rounds else [],
-            drafter_version=self.version,
-            temperature=float(params.temperature) if params is not None else 0.0,
-            finish_reason=str(reason) if reason is not None else "unknown",
-            domain=extra.get("adaflash_domain"),
-            created=time.time(),
-        ))
+        self.writer.append(
+            Trajectory(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids or []),
+                output_token_ids=list(request.output_token_ids),
+                round_positions=list(rounds.positions) if rounds else [],
+                round_drafts=list(rounds.num_drafts) if rounds else [],
+                round_accepted=list(rounds.num_accepted) if rounds else [],
+                drafter_version=self.version,
+                temperature=float(params.temperature) if params is not None else 0.0,
+                finish_reason=str(reason) if reason is not None else "unknown",
+                domain=extra.get("adaflash_domain"),
+                created=time.time(),
+            )
+        )
 
     # ------------------------------------------------------- version discovery
     def poll(self) -> None:
         """Between steps: queue a swap when a newer good version was published."""
         now = time.monotonic()
-        if self.in_flight is not None or now - self._last_poll < self.cfg.poll_interval_s:
+        if (
+            self.in_flight is not None
+            or now - self._last_poll < self.cfg.poll_interval_s
+        ):
             return
         self._last_poll = now
         latest = latest_version(self.cfg.versions_dir)
@@ -179,15 +189,26 @@ class OnlineController:
             self.version = order.version
             self.counters.swaps += 1
             self.tau_by_version[order.version] = VersionTau()
-            logger.info("AdaFlash: drafter version %d live (%s, %.1f ms)", order.version,
-                        result.get("via"), self.counters.last_swap_stall_ms)
+            logger.info(
+                "AdaFlash: drafter version %d live (%s, %.1f ms)",
+                order.version,
+                result.get("via"),
+                self.counters.last_swap_stall_ms,
+            )
         else:
             self.counters.swap_failures += 1
             self.counters.rejected += 1
-            mark_rejected(self.cfg.versions_dir, order.version,
-                          f"rejected by the engine: {result.get('error')}")
-            logger.warning("AdaFlash: version %d rejected, keeping %d: %s",
-                           order.version, self.version, result.get("error"))
+            mark_rejected(
+                self.cfg.versions_dir,
+                order.version,
+                f"rejected by the engine: {result.get('error')}",
+            )
+            logger.warning(
+                "AdaFlash: version %d rejected, keeping %d: %s",
+                order.version,
+                self.version,
+                result.get("error"),
+            )
 
     # ------------------------------------------------------ regression gate
     def observe_round(self, num_accepted: int) -> None:
@@ -207,8 +228,10 @@ class OnlineController:
         if cur.tau >= prev.tau * (1 - self.cfg.gate_margin):
             return
         bad = self.version
-        reason = (f"live tau {cur.tau:.3f} < {prev.tau:.3f} of version "
-                  f"{self.previous_good} by more than {self.cfg.gate_margin:.0%}")
+        reason = (
+            f"live tau {cur.tau:.3f} < {prev.tau:.3f} of version "
+            f"{self.previous_good} by more than {self.cfg.gate_margin:.0%}"
+        )
         mark_rejected(self.cfg.versions_dir, bad, f"rolled back: {reason}")
         self.counters.rollbacks += 1
         logger.warning("AdaFlash: rolling back drafter version %d: %s", bad, reason)
@@ -229,10 +252,15 @@ class OnlineController:
         }
         if self.writer is not None:
             c = self.writer.counters
-            g.update({"buffer_records_written_total": c.written,
-                      "buffer_records_dropped_total": c.dropped_full + c.dropped_error
-                      + self.counters.log_errors,
-                      "buffer_bytes": c.bytes_on_disk})
+            g.update(
+                {
+                    "buffer_records_written_total": c.written,
+                    "buffer_records_dropped_total": c.dropped_full
+                    + c.dropped_error
+                    + self.counters.log_errors,
+                    "buffer_bytes": c.bytes_on_disk,
+                }
+            )
         g.update(self._trainer_metrics())
         return g
 
@@ -247,11 +275,17 @@ class OnlineController:
         """Loss and clip fraction of the live version (read once per version)."""
         if self._metrics_version != self.version:
             self._metrics_version = self.version
-            info = read_version(self.cfg.versions_dir, self.version) if self.version \
+            info = (
+                read_version(self.cfg.versions_dir, self.version)
+                if self.version
                 else None
+            )
             m = info.manifest.get("metrics", {}) if info is not None else {}
-            self._metrics = {f"trainer_{k}": float(m[k])
-                             for k in ("loss", "clip_fraction", "ce", "rkl") if k in m}
+            self._metrics = {
+                f"trainer_{k}": float(m[k])
+                for k in ("loss", "clip_fraction", "ce", "rkl")
+                if k in m
+            }
         return self._metrics
 
     def shutdown(self) -> None:
@@ -267,13 +301,28 @@ def spawn_trainer(cfg: AdaFlashConfig, runtime: RuntimeInfo) -> subprocess.Popen
 
     run_dir = Path(runtime.stats_path).parent
     config_path = run_dir / "trainer-config.json"
-    config_path.write_text(json.dumps({"method": "dflash", "model": runtime.drafter,
-                                       "num_speculative_tokens":
-                                       runtime.num_speculative_tokens,
-                                       "adaflash": msgspec.to_builtins(cfg)}))
-    cmd = [sys.executable, "-m", "adaflash_vllm.cli", "trainer", "--config",
-           str(config_path), "--target", runtime.target]
+    config_path.write_text(
+        json.dumps(
+            {
+                "method": "dflash",
+                "model": runtime.drafter,
+                "num_speculative_tokens": runtime.num_speculative_tokens,
+                "adaflash": msgspec.to_builtins(cfg),
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "adaflash_vllm.cli",
+        "trainer",
+        "--config",
+        str(config_path),
+        "--target",
+        runtime.target,
+    ]
     log = open(run_dir / "trainer.log", "ab")  # noqa: SIM115  (lives with the child)
     logger.info("AdaFlash: spawning trainer (%s), log %s", " ".join(cmd), log.name)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )

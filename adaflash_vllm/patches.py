@@ -241,12 +241,16 @@ def apply_worker_patches() -> None:
     if not is_applied("W3"):
         _fix_cpu_expand_kernel()
     if not is_applied("W4"):
-        orig = _check_signature(gmr.GPUModelRunner, "execute_model",
-                                ("self", "scheduler_output", "intermediate_tensors"))
+        orig = _check_signature(
+            gmr.GPUModelRunner,
+            "execute_model",
+            ("self", "scheduler_output", "intermediate_tensors"),
+        )
         _install("W4", gmr.GPUModelRunner, "execute_model", _wrap_execute_model(orig))
     if not is_applied("W5"):
-        orig = _check_signature(gmr.GPUModelRunner, "sample_tokens",
-                                ("self", "grammar_output"))
+        orig = _check_signature(
+            gmr.GPUModelRunner, "sample_tokens", ("self", "grammar_output")
+        )
         _install("W5", gmr.GPUModelRunner, "sample_tokens", _wrap_sample_tokens(orig))
 
 

@@ -61,6 +61,8 @@ class AdaFlashScheduler(Scheduler):
             if self.adaflash is not None and self.adaflash.online.enabled
             else None
         )
+        if self._publisher is not None:  # /metrics shows zeros before any traffic
+            self._publisher.maybe_publish(self.round_stats, force=True)
         logger.info("AdaFlash scheduler active (K=%d, config %s)", k, self.adaflash)
 
     @override
@@ -85,7 +87,8 @@ class AdaFlashScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.online is not None and hasattr(scheduler_output, "adaflash_swap"):
             self.online.on_swap_result(
-                getattr(model_runner_output, "adaflash_swap_result", None))
+                getattr(model_runner_output, "adaflash_swap_result", None)
+            )
         self._record_rounds(before, model_runner_output)
         finished = self._forget_finished(before)
         if self.online is not None:

@@ -29,26 +29,33 @@ class SwapRejected(AdaFlashError, ValueError):
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape for the live drafter `model` (vLLM module)."""
     cfg = model.config
-    h, hd = cfg.hidden_size, getattr(cfg, "head_dim", None) or (
-        cfg.hidden_size // cfg.num_attention_heads)
-    nh, nkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.intermediate_size
+    h, hd = (
+        cfg.hidden_size,
+        getattr(cfg, "head_dim", None) or (cfg.hidden_size // cfg.num_attention_heads),
+    )
+    nh, nkv, inter = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    )
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (nh * hd, h),
-            p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h),
-            p + "self_attn.o_proj.weight": (h, nh * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (nh * hd, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["norm.weight"] = (h,)
     shapes["hidden_norm.weight"] = (h,)
     if getattr(model.model, "use_aux_hidden_state", True):
@@ -65,7 +72,9 @@ def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise SwapRejected(f"state writes target-owned tensors {owned}")
     missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing or extra:
-        raise SwapRejected(f"key mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise SwapRejected(
+            f"key mismatch: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     for key, shape in shapes.items():
         got = tuple(state[key].shape)
         if got != shape:
@@ -75,8 +84,9 @@ def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def _set_linear(layer: nn.Module, weight: torch.Tensor) -> None:
-    weight = weight.to(dtype=layer.params_dtype if hasattr(layer, "params_dtype")
-                       else weight.dtype)
+    weight = weight.to(
+        dtype=layer.params_dtype if hasattr(layer, "params_dtype") else weight.dtype
+    )
     if layer.weight.numel() == 0:  # CPU: prepacked, the plain weight was removed
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
@@ -99,17 +109,28 @@ def apply_drafter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
     for i, layer in enumerate(inner.layers):
         p = f"layers.{i}."
         attn = layer.self_attn
-        k, v = state[p + "self_attn.k_proj.weight"], state[p + "self_attn.v_proj.weight"]
-        _set_linear(attn.qkv_proj, torch.cat([state[p + "self_attn.q_proj.weight"], k, v]))
+        k, v = (
+            state[p + "self_attn.k_proj.weight"],
+            state[p + "self_attn.v_proj.weight"],
+        )
+        _set_linear(
+            attn.qkv_proj, torch.cat([state[p + "self_attn.q_proj.weight"], k, v])
+        )
         _set_linear(attn.o_proj, state[p + "self_attn.o_proj.weight"])
         _copy(attn.q_norm.weight, state[p + "self_attn.q_norm.weight"])
         _copy(attn.k_norm.weight, state[p + "self_attn.k_norm.weight"])
-        _set_linear(layer.mlp.gate_up_proj, torch.cat(
-            [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+        _set_linear(
+            layer.mlp.gate_up_proj,
+            torch.cat(
+                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]
+            ),
+        )
         _set_linear(layer.mlp.down_proj, state[p + "mlp.down_proj.weight"])
         _copy(layer.input_layernorm.weight, state[p + "input_layernorm.weight"])
-        _copy(layer.post_attention_layernorm.weight,
-              state[p + "post_attention_layernorm.weight"])
+        _copy(
+            layer.post_attention_layernorm.weight,
+            state[p + "post_attention_layernorm.weight"],
+        )
         fused_kv.append(torch.cat([k, v]))
         k_norms.append(state[p + "self_attn.k_norm.weight"])
     _copy(inner.norm.weight, state["norm.weight"])
@@ -128,8 +149,8 @@ def tensor_checksum(tensors: list[torch.Tensor]) -> str:
 
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                      if t.numel() else b"")
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
@@ -151,14 +172,22 @@ class DrafterSwapper:
         backend: "gloo" on CPU, "nccl" on GPU.
     """
 
-    def __init__(self, model: nn.Module, *, push_timeout_s: float, backend: str,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        push_timeout_s: float,
+        backend: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         from adaflash_vllm.transport import WorkerChannel
 
         self.model = model
         self.tp_size = tp_size
-        self.channel = WorkerChannel(rank=tp_rank, num_workers=tp_size, backend=backend,
-                                     timeout_s=push_timeout_s)
+        self.channel = WorkerChannel(
+            rank=tp_rank, num_workers=tp_size, backend=backend, timeout_s=push_timeout_s
+        )
         self._push_broken_session: str | None = None
 
     def load_folder(self, path: str, version: int) -> None:
@@ -177,19 +206,27 @@ class DrafterSwapper:
         logger = init_logger(__name__)
         t0 = time.perf_counter()
         if self.tp_size != 1:
-            return {"ok": False, "version": order.version, "stall_s": 0.0,
-                    "error": "online swaps support tensor_parallel_size=1 only"}
+            return {
+                "ok": False,
+                "version": order.version,
+                "stall_s": 0.0,
+                "error": "online swaps support tensor_parallel_size=1 only",
+            }
         state, via = None, "folder"
         push = order.push
         if push and push.get("session") != self._push_broken_session:
             try:
-                state = self.channel.fetch(order.version, push["host"], push["port"],
-                                           push["session"])
+                state = self.channel.fetch(
+                    order.version, push["host"], push["port"], push["session"]
+                )
                 via = "push" if state is not None else via
             except Exception as e:  # noqa: BLE001  (trainer gone: use the folder)
                 self._push_broken_session = push.get("session")
-                logger.warning("AdaFlash: push of version %d failed (%s); loading "
-                               "its folder", order.version, e)
+                logger.warning(
+                    "AdaFlash: push of version %d failed (%s); loading its folder",
+                    order.version,
+                    e,
+                )
         try:
             if state is None:
                 from adaflash_vllm.training.checkpoint import load_drafter
@@ -197,8 +234,16 @@ class DrafterSwapper:
                 _, state = load_drafter(order.path)
             apply_drafter_state(self.model, state)
         except (SwapRejected, OSError, ValueError, RuntimeError) as e:
-            return {"ok": False, "version": order.version, "error": str(e),
-                    "stall_s": time.perf_counter() - t0}
+            return {
+                "ok": False,
+                "version": order.version,
+                "error": str(e),
+                "stall_s": time.perf_counter() - t0,
+            }
         self.model.drafter_version = order.version
-        return {"ok": True, "version": order.version, "via": via,
-                "stall_s": time.perf_counter() - t0}
+        return {
+            "ok": True,
+            "version": order.version,
+            "via": via,
+            "stall_s": time.perf_counter() - t0,
+        }

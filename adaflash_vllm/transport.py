@@ -25,7 +25,6 @@ import time
 from datetime import timedelta
 
 import torch
-
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,10 +39,13 @@ def _dtype(name: str) -> torch.dtype:
 def pack_state(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(meta uint8, data uint8) for `state` (keys sorted)."""
     keys = sorted(state)
-    meta = [[k, str(state[k].dtype).replace("torch.", ""), list(state[k].shape)]
-            for k in keys]
-    chunks = [state[k].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-              for k in keys]
+    meta = [
+        [k, str(state[k].dtype).replace("torch.", ""), list(state[k].shape)]
+        for k in keys
+    ]
+    chunks = [
+        state[k].detach().cpu().contiguous().reshape(-1).view(torch.uint8) for k in keys
+    ]
     data = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     meta_t = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
     return meta_t, data
@@ -56,19 +58,26 @@ def unpack_state(meta: torch.Tensor, data: torch.Tensor) -> dict[str, torch.Tens
         dtype = _dtype(dtype_name)
         n = int(torch.tensor(shape).prod().item()) if shape else 1
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
-        state[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        state[key] = data[offset : offset + nbytes].clone().view(dtype).reshape(shape)
         offset += nbytes
     return state
 
 
-def make_group(host: str, port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float):
+def make_group(
+    host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+):
     """(group, store): a process group apart from vLLM's, and its own TCPStore."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s),
-        return_store=True)
+        host,
+        port,
+        rank,
+        world_size,
+        backend,
+        timeout=timedelta(seconds=timeout_s),
+        return_store=True,
+    )
 
 
 def request_key(worker_rank: int) -> str:
@@ -83,8 +92,15 @@ class PushServer:
     pair for good). The group is rebuilt whenever a worker goes away.
     """
 
-    def __init__(self, host: str, port: int, *, num_workers: int = 1,
-                 backend: str = "gloo", idle_timeout_s: float = 24 * 3600.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        num_workers: int = 1,
+        backend: str = "gloo",
+        idle_timeout_s: float = 24 * 3600.0,
+    ):
         self.host, self.port, self.backend = host, port, backend
         self.world_size = 1 + num_workers
         self.idle_timeout_s = idle_timeout_s
@@ -95,8 +111,9 @@ class PushServer:
         self.last_push_s = 0.0
         self.connected = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="adaflash-push",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name="adaflash-push", daemon=True
+        )
 
     def start(self) -> PushServer:
         self._thread.start()
@@ -114,14 +131,21 @@ class PushServer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                group, store = make_group(self.host, self.port, 0, self.world_size,
-                                          self.backend, self.idle_timeout_s)
+                group, store = make_group(
+                    self.host,
+                    self.port,
+                    0,
+                    self.world_size,
+                    self.backend,
+                    self.idle_timeout_s,
+                )
             except Exception as e:  # noqa: BLE001  (no worker yet: keep waiting)
                 logger.debug("AdaFlash push: waiting for workers (%s)", e)
                 time.sleep(1.0)
                 continue
-            logger.info("AdaFlash push: workers connected on %s:%d", self.host,
-                        self.port)
+            logger.info(
+                "AdaFlash push: workers connected on %s:%d", self.host, self.port
+            )
             self.connected.set()
             try:
                 self._answer_requests(group, store)
@@ -148,8 +172,9 @@ class PushServer:
             group.send([header], worker, 0).wait()
             return
         meta, data = packed
-        header = torch.tensor([version, meta.numel(), data.numel(), OK],
-                              dtype=torch.int64)
+        header = torch.tensor(
+            [version, meta.numel(), data.numel(), OK], dtype=torch.int64
+        )
         group.send([header], worker, 0).wait()
         group.send([meta], worker, 0).wait()
         group.send([data], worker, 0).wait()
@@ -164,21 +189,21 @@ class WorkerChannel:
     rebuilt on the next fetch) and the caller loads the version from disk.
     """
 
-    def __init__(self, *, rank: int, num_workers: int, backend: str,
-                 timeout_s: float):
+    def __init__(self, *, rank: int, num_workers: int, backend: str, timeout_s: float):
         self.rank, self.world_size = 1 + rank, 1 + num_workers
         self.backend, self.timeout_s = backend, timeout_s
         self._group = None
         self._store = None
         self._session: str | None = None
 
-    def fetch(self, version: int, host: str, port: int,
-              session: str) -> dict[str, torch.Tensor] | None:
+    def fetch(
+        self, version: int, host: str, port: int, session: str
+    ) -> dict[str, torch.Tensor] | None:
         """The state of `version`, or None if the trainer does not hold it."""
         if self._group is None or session != self._session:
-            self._group, self._store = make_group(host, port, self.rank,
-                                                  self.world_size, self.backend,
-                                                  self.timeout_s)
+            self._group, self._store = make_group(
+                host, port, self.rank, self.world_size, self.backend, self.timeout_s
+            )
             self._session = session
         group = self._group
         try:

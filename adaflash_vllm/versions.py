@@ -45,15 +45,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def publish_version(versions_dir: str | os.PathLike, version: int, cfg: dict,
-                    state: dict[str, torch.Tensor], manifest: dict[str, Any]) -> Path:
+def publish_version(
+    versions_dir: str | os.PathLike,
+    version: int,
+    cfg: dict,
+    state: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+) -> Path:
     """Write version `version` (folder, then LATEST); never leaves a torn folder."""
     root = Path(versions_dir)
     root.mkdir(parents=True, exist_ok=True)
-    manifest = {**manifest, "version": version, "created": time.time(),
-                "keys": sorted(state)}
-    out = save_drafter(root / version_dirname(version), cfg, state,
-                       extra_files={MANIFEST: json.dumps(manifest, indent=1).encode()})
+    manifest = {
+        **manifest,
+        "version": version,
+        "created": time.time(),
+        "keys": sorted(state),
+    }
+    out = save_drafter(
+        root / version_dirname(version),
+        cfg,
+        state,
+        extra_files={MANIFEST: json.dumps(manifest, indent=1).encode()},
+    )
     _write_atomic(root / "LATEST", str(version))
     return out
 
@@ -93,15 +106,17 @@ def mark_rejected(versions_dir: str | os.PathLike, version: int, reason: str) ->
     _write_atomic(root / "rejected.json", json.dumps(data, indent=1))
 
 
-def newest_good_version(versions_dir: str | os.PathLike,
-                        below: int | None = None) -> VersionInfo | None:
+def newest_good_version(
+    versions_dir: str | os.PathLike, below: int | None = None
+) -> VersionInfo | None:
     """The newest complete, not rejected version (optionally older than `below`)."""
     root = Path(versions_dir)
     if not root.is_dir():
         return None
     bad = rejected_versions(root)
-    numbers = sorted((int(p.name[1:]) for p in root.glob("v[0-9]*") if p.is_dir()),
-                     reverse=True)
+    numbers = sorted(
+        (int(p.name[1:]) for p in root.glob("v[0-9]*") if p.is_dir()), reverse=True
+    )
     for n in numbers:
         if n in bad or (below is not None and n >= below):
             continue

@@ -50,10 +50,15 @@ class AdaFlashWorkerExtension:
         target = runner.get_model()
         drafter = runner.drafter.model
         target_names = {id(p) for p in target.parameters()}
-        own = [p for n, p in sorted(drafter.named_parameters())
-               if id(p) not in target_names]
+        own = [
+            p
+            for n, p in sorted(drafter.named_parameters())
+            if id(p) not in target_names
+        ]
         return {
-            "target": tensor_checksum([p for _, p in sorted(target.named_parameters())]),
+            "target": tensor_checksum(
+                [p for _, p in sorted(target.named_parameters())]
+            ),
             "drafter_own": tensor_checksum(own),
             "drafter_fused_kv": tensor_checksum([drafter.model._fused_kv_weight]),
         }

@@ -70,18 +70,24 @@ class AdaFlashProposer(DFlashProposer):
 
         online = self.adaflash.online
         self.swapper = DrafterSwapper(
-            self.model, push_timeout_s=online.push_timeout_s,
+            self.model,
+            push_timeout_s=online.push_timeout_s,
             backend="nccl" if self.device.type == "cuda" else "gloo",
             tp_rank=get_tensor_model_parallel_rank(),
-            tp_size=get_tensor_model_parallel_world_size())
+            tp_size=get_tensor_model_parallel_world_size(),
+        )
         # A restarted engine resumes from the newest good version: the scheduler
         # orders that swap for the first step (one source of truth for the version).
 
     def apply_swap(self, order) -> dict:
         """Swap in the drafter version the scheduler ordered (between steps)."""
         if getattr(self, "swapper", None) is None:
-            return {"ok": False, "version": order.version, "stall_s": 0.0,
-                    "error": "online distillation is off in this worker"}
+            return {
+                "ok": False,
+                "version": order.version,
+                "stall_s": 0.0,
+                "error": "online distillation is off in this worker",
+            }
         return self.swapper.apply_order(order)
 
     @override

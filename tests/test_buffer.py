@@ -14,10 +14,18 @@ from adaflash_vllm.buffer import (
 
 
 def _traj(i: int, n_out: int = 5) -> Trajectory:
-    return Trajectory(request_id=f"r{i}", prompt_token_ids=[1, 2, 3],
-                      output_token_ids=list(range(n_out)), round_positions=[3, 5],
-                      round_drafts=[3, 2], round_accepted=[1, 0], drafter_version=0,
-                      temperature=0.0, finish_reason="length", domain="math")
+    return Trajectory(
+        request_id=f"r{i}",
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=list(range(n_out)),
+        round_positions=[3, 5],
+        round_drafts=[3, 2],
+        round_accepted=[1, 0],
+        drafter_version=0,
+        temperature=0.0,
+        finish_reason="length",
+        domain="math",
+    )
 
 
 def _writer(tmp_path, **kw) -> BufferWriter:

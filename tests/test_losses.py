@@ -1,7 +1,6 @@
 """The OPD loss reference: endpoints of the mix, the clip's sign rule, gradients."""
 
 import torch
-
 from adaflash_vllm.training.losses import (
     opd_loss_reference,
     opd_loss_rows_reference,
@@ -82,8 +81,9 @@ def test_sign_rule_negative_raw_entries_never_invert_the_objective():
         return torch.clamp(q * (q.log() - p.log()), max=delta).sum(-1)
 
     naive_loss, naive_kl = step(pointwise)
-    ours_loss, ours_kl = step(lambda s: opd_loss_rows_reference(
-        s, p_logits, alpha=0.0, delta=delta).loss)
+    ours_loss, ours_kl = step(
+        lambda s: opd_loss_rows_reference(s, p_logits, alpha=0.0, delta=delta).loss
+    )
     assert naive_loss < 0 and naive_kl > kl(q0)  # the pitfall, reproduced
     assert ours_loss >= 0 and ours_kl < kl(q0)
 
@@ -92,8 +92,9 @@ def test_weights_and_decay():
     s, t = _logits(n=4)
     w = position_decay_weights(4, gamma=2.0)
     assert torch.allclose(w, torch.exp(-torch.arange(4.0) / 2))
-    out = opd_loss_reference(s, t, alpha=0.8, delta=0.01, weights=torch.tensor(
-        [1.0, 0.0, 2.0, 0.0]))
+    out = opd_loss_reference(
+        s, t, alpha=0.8, delta=0.01, weights=torch.tensor([1.0, 0.0, 2.0, 0.0])
+    )
     rows = opd_loss_rows_reference(s, t, alpha=0.8, delta=0.01)
     assert torch.allclose(out.loss, (rows.loss[0] + 2 * rows.loss[2]) / 3, atol=1e-6)
     assert out.total_entries == 2 * s.shape[1]

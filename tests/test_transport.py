@@ -9,8 +9,11 @@ from adaflash_vllm.transport import pack_state, unpack_state
 
 
 def test_pack_round_trip_keeps_dtype_and_shape():
-    state = {"b": torch.randn(3, 4), "a": torch.arange(6, dtype=torch.bfloat16),
-             "c": torch.tensor(2.5)}
+    state = {
+        "b": torch.randn(3, 4),
+        "a": torch.arange(6, dtype=torch.bfloat16),
+        "c": torch.tensor(2.5),
+    }
     got = unpack_state(*pack_state(state))
     assert set(got) == set(state)
     for k, v in state.items():

@@ -27,10 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
-from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
-from adaflash_vllm.errors import AdaFlashConfigError
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
     block_labels,
@@ -42,6 +38,10 @@ from adaflash_vllm.training.data import Sequence
 from adaflash_vllm.training.drafter import DFlashDrafter
 from adaflash_vllm.training.features import TargetModel
 from adaflash_vllm.training.losses import position_decay_weights
+
+from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
+from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
+from adaflash_vllm.errors import AdaFlashConfigError
 from adaflash_vllm.versions import (
     latest_version,
     newest_good_version,
@@ -79,8 +79,16 @@ class OnlineTrainer:
         num_drafts: K, the engine's num_speculative_tokens.
     """
 
-    def __init__(self, cfg: AdaFlashConfig, *, target_path: str, drafter_path: str,
-                 num_drafts: int, device: str = "cpu", push: bool | None = None):
+    def __init__(
+        self,
+        cfg: AdaFlashConfig,
+        *,
+        target_path: str,
+        drafter_path: str,
+        num_drafts: int,
+        device: str = "cpu",
+        push: bool | None = None,
+    ):
         self.cfg: OnlineConfig = cfg.online
         self.num_drafts = num_drafts
         self.device = torch.device(device)
@@ -102,8 +110,9 @@ class OnlineTrainer:
 
             self._check_port_free()
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.push_server = PushServer(self.cfg.push_host, self.cfg.push_port,
-                                          backend=backend).start()
+            self.push_server = PushServer(
+                self.cfg.push_host, self.cfg.push_port, backend=backend
+            ).start()
         self.status = "idle"
         self.history: list[dict] = []
         self._beat_stop = threading.Event()
@@ -127,7 +136,8 @@ class OnlineTrainer:
         if bad or self.drafter.cfg["hidden_size"] != hidden:
             raise AdaFlashConfigError(
                 f"the drafter ({self.drafter_path}) does not fit the trainer's target "
-                f"{self.target.path} (target_layer_ids {self.drafter.target_layer_ids} vs "
+                f"{self.target.path} (target_layer_ids "
+                f"{self.drafter.target_layer_ids} vs "
                 f"{n} layers, hidden {self.drafter.cfg['hidden_size']} vs {hidden}); "
                 "start the trainer with the engine's target and drafter."
             )
@@ -161,20 +171,35 @@ class OnlineTrainer:
 
     def _save_state(self) -> None:
         tmp = self.state_dir / "state.json.tmp"
-        tmp.write_text(json.dumps({"buffer": asdict(self.reader.position),
-                                   "version": self.version, "session": self.session}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "buffer": asdict(self.reader.position),
+                    "version": self.version,
+                    "session": self.session,
+                }
+            )
+        )
         tmp.replace(self.state_dir / "state.json")
-        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict()},
-                   self.state_dir / "optimizer.pt.tmp")
+        torch.save(
+            {"version": self.version, "optimizer": self.optimizer.state_dict()},
+            self.state_dir / "optimizer.pt.tmp",
+        )
         os.replace(self.state_dir / "optimizer.pt.tmp", self.state_dir / "optimizer.pt")
 
     def _heartbeat(self) -> None:
         path = Path(self.cfg.versions_dir) / HEARTBEAT
         while not self._beat_stop.is_set():
-            beat = {"session": self.session, "host": self.cfg.push_host,
-                    "port": self.cfg.push_port, "pid": os.getpid(), "time": time.time(),
-                    "version": self.version, "status": self.status,
-                    "push": self.push_server is not None}
+            beat = {
+                "session": self.session,
+                "host": self.cfg.push_host,
+                "port": self.cfg.push_port,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "version": self.version,
+                "status": self.status,
+                "push": self.push_server is not None,
+            }
             if self.push_server is None:
                 beat["host"] = beat["port"] = None
             try:
@@ -186,18 +211,25 @@ class OnlineTrainer:
             self._beat_stop.wait(2.0)
 
     # ---------------------------------------------------------------- loop
-    def run(self, *, max_rounds: int | None = None, idle_sleep_s: float = 0.5,
-            stop: threading.Event | None = None) -> None:
+    def run(
+        self,
+        *,
+        max_rounds: int | None = None,
+        idle_sleep_s: float = 0.5,
+        stop: threading.Event | None = None,
+    ) -> None:
         """Tail the buffer and train every `train_every` trajectories."""
         rounds = 0
-        while not (stop and stop.is_set()) and (max_rounds is None or rounds < max_rounds):
+        while not (stop and stop.is_set()) and (
+            max_rounds is None or rounds < max_rounds
+        ):
             self.pending.extend(self.reader.read_new())
             if len(self.pending) < self.cfg.train_every:
                 self.status = "waiting"
                 time.sleep(idle_sleep_s)
                 continue
             batch = self.pending[: self.cfg.train_every]
-            self.pending = self.pending[self.cfg.train_every:]
+            self.pending = self.pending[self.cfg.train_every :]
             self.train_round(batch)
             rounds += 1
 
@@ -207,38 +239,67 @@ class OnlineTrainer:
         self._follow_rejections()
         seqs, forced = self._sequences(trajectories)
         t0 = time.perf_counter()
-        sums = {"loss": 0.0, "ce": 0.0, "rkl": 0.0, "w": 0.0, "clipped": 0,
-                "entries": 0, "rows_clipped": 0, "rows": 0, "acc": 0.0, "blocks": 0}
+        sums = {
+            "loss": 0.0,
+            "ce": 0.0,
+            "rkl": 0.0,
+            "w": 0.0,
+            "clipped": 0,
+            "entries": 0,
+            "rows_clipped": 0,
+            "rows": 0,
+            "acc": 0.0,
+            "blocks": 0,
+        }
         steps = tokens = 0
         order = list(range(len(seqs)))
         rng = random.Random(self.version)
         for epoch in range(self.cfg.epochs):
             rng.shuffle(order)
             for i in range(0, len(order), self.cfg.batch_size):
-                idx = order[i:i + self.cfg.batch_size]
-                out = self.step([seqs[j] for j in idx], [forced[j] for j in idx],
-                                measure_accept=epoch == 0)
+                idx = order[i : i + self.cfg.batch_size]
+                out = self.step(
+                    [seqs[j] for j in idx],
+                    [forced[j] for j in idx],
+                    measure_accept=epoch == 0,
+                )
                 steps += 1
                 tokens += sum(len(seqs[j].token_ids) for j in idx)
-                for k in ("loss", "ce", "rkl", "w", "clipped", "entries", "rows_clipped",
-                          "rows", "acc", "blocks"):
+                for k in (
+                    "loss",
+                    "ce",
+                    "rkl",
+                    "w",
+                    "clipped",
+                    "entries",
+                    "rows_clipped",
+                    "rows",
+                    "acc",
+                    "blocks",
+                ):
                     sums[k] += out[k]
         accept_after = self.measure_accept(seqs, forced)
         seconds = time.perf_counter() - t0
         metrics = RoundMetrics(
-            trajectories=len(trajectories), steps=steps,
-            loss=sums["loss"] / max(sums["w"], 1e-9), ce=sums["ce"] / max(sums["w"], 1e-9),
+            trajectories=len(trajectories),
+            steps=steps,
+            loss=sums["loss"] / max(sums["w"], 1e-9),
+            ce=sums["ce"] / max(sums["w"], 1e-9),
             rkl=sums["rkl"] / max(sums["w"], 1e-9),
             clip_fraction=sums["clipped"] / max(1, sums["entries"]),
             clipped_rows_fraction=sums["rows_clipped"] / max(1, sums["rows"]),
             accept_before=sums["acc"] / max(1, sums["blocks"]),
-            accept_after=accept_after, seconds=seconds, tokens_per_s=tokens / seconds)
+            accept_after=accept_after,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds,
+        )
         self.publish(metrics)
         self.status = "idle"
         return metrics
 
-    def _sequences(self, trajectories: list[Trajectory]
-                   ) -> tuple[list[Sequence], list[list[int]]]:
+    def _sequences(
+        self, trajectories: list[Trajectory]
+    ) -> tuple[list[Sequence], list[list[int]]]:
         seqs, forced = [], []
         for t in trajectories:
             ids = (t.prompt_token_ids + t.output_token_ids)[: self.cfg.max_len]
@@ -248,25 +309,34 @@ class OnlineTrainer:
             forced.append([p - 1 for p in t.round_positions if p - 1 < len(ids) - 1])
         return seqs, forced
 
-    def step(self, seqs: list[Sequence], forced: list[list[int]], *,
-             measure_accept: bool) -> dict[str, float]:
+    def step(
+        self, seqs: list[Sequence], forced: list[list[int]], *, measure_accept: bool
+    ) -> dict[str, float]:
         """One AdamW step on the OPD loss over the blocks of `seqs`."""
         from adaflash_vllm.kernels import opd_loss
 
         self.drafter.train()
-        batch = make_batch(seqs, num_anchors=self.cfg.num_anchors,
-                           forced_anchors=forced)
+        batch = make_batch(
+            seqs, num_anchors=self.cfg.num_anchors, forced_anchors=forced
+        )
         batch = _to(batch, self.device)
         features, target_logits = self.target.features(
-            batch.input_ids, self.drafter.target_layer_ids, batch.valid.long())
+            batch.input_ids, self.drafter.target_layer_ids, batch.valid.long()
+        )
         labels, label_valid, teacher_index = block_labels(batch, self.num_drafts)
-        logits, _ = student_logits(self.drafter, self.target, batch, features,
-                                   self.num_drafts)
+        logits, _ = student_logits(
+            self.drafter, self.target, batch, features, self.num_drafts
+        )
         teacher = gather_teacher(target_logits, teacher_index)
         weights = (self.decay.view(1, 1, -1) * label_valid).flatten()
         v = logits.shape[-1]
-        out = opd_loss(logits.reshape(-1, v), teacher.reshape(-1, v),
-                       alpha=self.cfg.alpha, delta=self.cfg.delta, weights=weights)
+        out = opd_loss(
+            logits.reshape(-1, v),
+            teacher.reshape(-1, v),
+            alpha=self.cfg.alpha,
+            delta=self.cfg.delta,
+            weights=weights,
+        )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -275,13 +345,22 @@ class OnlineTrainer:
         if measure_accept:
             with torch.no_grad():
                 lens = accepted_lengths(logits.argmax(-1), labels, label_valid)
-                acc, blocks = float(lens[batch.anchor_valid].sum()), \
-                    int(batch.anchor_valid.sum())
-        return {"loss": float(out.loss_sum), "ce": float(out.ce_sum),
-                "rkl": float(out.rkl_sum), "w": float(out.weight_sum),
-                "clipped": int(out.clipped_entries), "entries": out.total_entries,
-                "rows_clipped": int(out.clipped_rows), "rows": int((weights > 0).sum()),
-                "acc": acc, "blocks": blocks}
+                acc, blocks = (
+                    float(lens[batch.anchor_valid].sum()),
+                    int(batch.anchor_valid.sum()),
+                )
+        return {
+            "loss": float(out.loss_sum),
+            "ce": float(out.ce_sum),
+            "rkl": float(out.rkl_sum),
+            "w": float(out.weight_sum),
+            "clipped": int(out.clipped_entries),
+            "entries": out.total_entries,
+            "rows_clipped": int(out.clipped_rows),
+            "rows": int((weights > 0).sum()),
+            "acc": acc,
+            "blocks": blocks,
+        }
 
     @torch.no_grad()
     def measure_accept(self, seqs: list[Sequence], forced: list[list[int]]) -> float:
@@ -289,17 +368,24 @@ class OnlineTrainer:
         self.drafter.eval()
         total, blocks = 0.0, 0
         for i in range(0, len(seqs), max(1, self.cfg.batch_size * 4)):
-            chunk, anchors = seqs[i:i + self.cfg.batch_size * 4], forced[i:i +
-                                                                       self.cfg.batch_size * 4]
-            batch = _to(make_batch(chunk, num_anchors=0, forced_anchors=anchors),
-                        self.device)
+            chunk, anchors = (
+                seqs[i : i + self.cfg.batch_size * 4],
+                forced[i : i + self.cfg.batch_size * 4],
+            )
+            batch = _to(
+                make_batch(chunk, num_anchors=0, forced_anchors=anchors), self.device
+            )
             if not bool(batch.anchor_valid.any()):
                 continue
-            features, _ = self.target.features(batch.input_ids,
-                                               self.drafter.target_layer_ids,
-                                               batch.valid.long(), with_logits=False)
-            logits, _ = student_logits(self.drafter, self.target, batch, features,
-                                       self.num_drafts)
+            features, _ = self.target.features(
+                batch.input_ids,
+                self.drafter.target_layer_ids,
+                batch.valid.long(),
+                with_logits=False,
+            )
+            logits, _ = student_logits(
+                self.drafter, self.target, batch, features, self.num_drafts
+            )
             labels, label_valid, _ = block_labels(batch, self.num_drafts)
             lens = accepted_lengths(logits.argmax(-1), labels, label_valid)
             total += float(lens[batch.anchor_valid].sum())
@@ -310,17 +396,35 @@ class OnlineTrainer:
     def publish(self, metrics: RoundMetrics) -> int:
         version = max(self.version, latest_version(self.cfg.versions_dir)) + 1
         state = {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()}
-        publish_version(self.cfg.versions_dir, version, self.drafter.cfg, state, {
-            "parent_version": self.version, "session": self.session,
-            "metrics": asdict(metrics)})
+        publish_version(
+            self.cfg.versions_dir,
+            version,
+            self.drafter.cfg,
+            state,
+            {
+                "parent_version": self.version,
+                "session": self.session,
+                "metrics": asdict(metrics),
+            },
+        )
         self.version = version
         if self.push_server is not None:
             self.push_server.offer(version, state)
         self._save_state()
         self.history.append({"version": version, **asdict(metrics)})
-        print(json.dumps({"event": "published", "version": version,
-                          **{k: round(v, 5) if isinstance(v, float) else v
-                             for k, v in asdict(metrics).items()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "event": "published",
+                    "version": version,
+                    **{
+                        k: round(v, 5) if isinstance(v, float) else v
+                        for k, v in asdict(metrics).items()
+                    },
+                }
+            ),
+            flush=True,
+        )
         return version
 
     def _follow_rejections(self) -> None:
@@ -331,9 +435,19 @@ class OnlineTrainer:
             version, drafter = self._load_drafter()
             self.drafter.load_state_dict(drafter.state_dict())
             self.version = version
-            self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr)
-            print(json.dumps({"event": "rollback_followed", "version": version,
-                              "good": good.version if good else 0}), flush=True)
+            self.optimizer = torch.optim.AdamW(
+                self.drafter.parameters(), lr=self.cfg.lr
+            )
+            print(
+                json.dumps(
+                    {
+                        "event": "rollback_followed",
+                        "version": version,
+                        "good": good.version if good else 0,
+                    }
+                ),
+                flush=True,
+            )
 
     def close(self) -> None:
         self._beat_stop.set()
@@ -365,20 +479,38 @@ def main_trainer(args) -> None:
     if cfg is None or not cfg.online.enabled:
         raise AdaFlashConfigError(
             f"{args.config}: the trainer needs an `adaflash.online` section with "
-            '"enabled": true (the engine must log what it serves)')
+            '"enabled": true (the engine must log what it serves)'
+        )
     cfg = resolve_online_paths(cfg)
     online = cfg.online
     if online.trainer_cores:
         os.sched_setaffinity(0, set(online.trainer_cores))
         torch.set_num_threads(len(online.trainer_cores))
-    device = args.device or ("cuda" if online.trainer_device == "cuda" or (
-        online.trainer_device == "auto" and torch.cuda.is_available()) else "cpu")
-    print(json.dumps({"event": "start", "config": str(args.config), "device": device,
-                      "online": {k: getattr(online, k) for k in online.__struct_fields__},
-                      "git": _git_sha()}), flush=True)
-    trainer = OnlineTrainer(cfg, target_path=args.target,
-                            drafter_path=args.drafter or spec["model"],
-                            num_drafts=spec["num_speculative_tokens"], device=device)
+    device = args.device or (
+        "cuda"
+        if online.trainer_device == "cuda"
+        or (online.trainer_device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+    print(
+        json.dumps(
+            {
+                "event": "start",
+                "config": str(args.config),
+                "device": device,
+                "online": {k: getattr(online, k) for k in online.__struct_fields__},
+                "git": _git_sha(),
+            }
+        ),
+        flush=True,
+    )
+    trainer = OnlineTrainer(
+        cfg,
+        target_path=args.target,
+        drafter_path=args.drafter or spec["model"],
+        num_drafts=spec["num_speculative_tokens"],
+        device=device,
+    )
     try:
         trainer.run(max_rounds=args.max_rounds)
     except KeyboardInterrupt:

@@ -109,8 +109,9 @@ def render_card(target_dir: Path) -> str:
         f"| optimizer | AdamW lr {cfg['lr']}, betas (0.9, 0.95), wd "
         f"{cfg['weight_decay']}, warmup {cfg['warmup_steps']} steps, cosine to "
         f"{cfg['min_lr_ratio']} x lr, clip {cfg['grad_clip']} |",
-        f"| hardware | {cfg['num_threads']} CPU threads (torch "
-        f"{s.get('torch', '?')}, transformers {s.get('transformers', '?')}) |",
+        f"| hardware | CPU, torch threads {cfg['num_threads']} (2-core machine "
+        f"shared with other jobs; torch {s.get('torch', '?')}, transformers "
+        f"{s.get('transformers', '?')}) |",
         f"| wall time | {s['train_wall_s'] / 60:.1f} min training loop "
         f"({s['tokens_per_s']:.0f} tokens/s), {s['total_wall_s'] / 60:.1f} min "
         "stage total |",
@@ -135,7 +136,7 @@ def render_card(target_dir: Path) -> str:
     lines += [
         "## Limitations",
         "",
-        "Tiny and trained for about half an hour on two CPU cores: it imitates the",
+        "Tiny and trained for about half an hour on one CPU core: it imitates the",
         "style of each domain (worked solutions with `<<a*b=c>>` notes and `#### N`,",
         "MathQA rationales ending in `answer : x`, short Python functions, prose",
         "continuations), but its arithmetic, code and facts are mostly wrong.",
