@@ -38,10 +38,32 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 class LengthConfig(_Struct):
     """How many of the K drafted tokens each request sends to verification."""
 
-    mode: Literal["fixed", "debug_ragged"] = "fixed"
+    mode: Literal["fixed", "debug_ragged", "paper", "cost_aware"] = "fixed"
     # fixed: every request verifies all K drafts (stock DFlash behaviour).
     # debug_ragged: k_i drawn deterministically from hash(req_id, round) in [0, K];
     #   exercises ragged verification (including k_i = 0) end to end.
+    # paper: k_i = clamp(round(a_hat * K * gamma), k_min, K) (the AdaFlash rule).
+    # cost_aware: the k_i maximising expected tokens per second of measured step time.
+    gamma: Annotated[float, Meta(gt=0, le=4)] = 1.0
+    # paper: scale on the predicted accepted length.
+    k_min: Annotated[int, Meta(ge=0, le=MAX_SPEC_TOKENS)] = 1
+    # paper / cost_aware: every request verifies at least this many drafts.
+    predictor: Literal["auto", "head", "confidence"] = "auto"
+    # Acceptance estimate: the drafter's length head, or its own draft confidence
+    # (auto: the head when the checkpoint has one).
+    profile: bool = True
+    # cost_aware: time dummy steps at startup (else start from the paper rule and
+    # learn the cost curve from served steps only).
+
+
+class AdmissionConfig(_Struct):
+    """EMA admission control of waiting requests (AdaFlash scheduler)."""
+
+    enabled: bool = True
+    beta: Annotated[float, Meta(gt=0, le=1)] = 0.3
+    # N_hat <- (1 - beta) * N_hat + beta * N after each step (N = requests processed).
+    token_budget: Annotated[int, Meta(ge=1)] | None = None
+    # Verified tokens per step, sum(1 + k_i) (None = vLLM's max_num_batched_tokens).
 
 
 class MetricsConfig(_Struct):
@@ -106,6 +128,7 @@ class AdaFlashConfig(_Struct):
     """The whole `"adaflash"` section; `{}` turns AdaFlash on with defaults."""
 
     length: LengthConfig = msgspec.field(default_factory=LengthConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     online: OnlineConfig = msgspec.field(default_factory=OnlineConfig)
     per_request_metrics: Literal["none", "summary", "detailed"] = "summary"

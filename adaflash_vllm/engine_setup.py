@@ -52,6 +52,7 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
     if cfg is None:
         return None
     check_drafter_dir(spec.get("model"))
+    check_length_policy(cfg, spec)
     _set_class(args, "scheduler_cls", SCHEDULER_CLS, "--scheduler-cls")
     _set_class(
         args, "worker_extension_cls", WORKER_EXTENSION_CLS, "--worker-extension-cls"
@@ -180,6 +181,40 @@ def check_drafter_dir(model: Any) -> None:
         for p in Path(model).iterdir()
     ):
         raise AdaFlashConfigError(f"drafter folder {model!r} has no weight files")
+
+
+def check_length_policy(cfg: AdaFlashConfig, spec: dict) -> None:
+    """k_min within K; a required length head present and shaped for the drafter."""
+    k = spec["num_speculative_tokens"]
+    if cfg.length.k_min > k:
+        raise AdaFlashConfigError(
+            f"adaflash.length.k_min {cfg.length.k_min} exceeds num_speculative_tokens "
+            f"{k}; use 0..{k}."
+        )
+    model = spec.get("model")
+    if not (isinstance(model, str) and os.path.isdir(model)):
+        return
+    from adaflash_vllm.proposers.length_head import head_config, load_length_head
+
+    drafter_cfg = json.loads((Path(model) / "config.json").read_text())
+    try:
+        head = load_length_head(model, drafter_cfg)
+    except (ValueError, KeyError, OSError) as e:
+        raise AdaFlashConfigError(
+            f"drafter {model!r}: unusable length head: {e}"
+        ) from None
+    if cfg.length.predictor == "head" and head is None:
+        named = head_config(drafter_cfg)
+        raise AdaFlashConfigError(
+            f'adaflash.length.predictor is "head" but drafter {model!r} has '
+            + (
+                "no length_head.safetensors"
+                if named
+                else "no length head (dflash_config.thresh_head_bottleneck_dim)"
+            )
+            + "; train one with `adaflash train-drafter --length-head 64` or use "
+            '"predictor": "auto".'
+        )
 
 
 def check_drafter_fits_target(vllm_config: Any) -> None:

@@ -52,9 +52,18 @@ W5. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens`
     worker must carry it out before that step's forward and report back.
     How: W4 runs `AdaFlashProposer.apply_swap` when the attribute is present, then
     the original; W5 attaches the result to the step's `ModelRunnerOutput`. Both
-    are no-ops without the attribute. Upstream: vLLM's draft weight update API
+    are no-ops without the attribute. W4 also lets the proposer profile step cost
+    (timed `_dummy_run`s) once before the first step, for `length.mode: cost_aware`.
+    Upstream: vLLM's draft weight update API
     (`start_draft_weight_update`) reloads through the layerwise path, which breaks
     DFlash on CPU (empty packed weights, stale fused K/V). Keep until it does not.
+
+W6. `vllm.v1.worker.gpu_model_runner.RejectionSampler` (module attribute)
+    Why: the runner builds its rejection sampler by name; AdaFlash counts what the
+    ragged batches verified on the worker side (per position, per request).
+    How: point the name at `AdaFlashRejectionSampler`, a subclass that calls
+    `super().forward` and adds device-side counters. Upstream: none. Delete if vLLM
+    exports drafted-per-position counts itself.
 
 W3. CPU override of `vllm.v1.sample.rejection_sampler.expand_kernel`
     (`vllm.utils.cpu_triton_utils._expand_kernel_impl`, vLLM's kernel registry)
@@ -212,7 +221,7 @@ def _wrap_create_engine_config(orig: Callable) -> Callable:
 
 
 def apply_worker_patches() -> None:
-    """W1-W5. Idempotent; imports vLLM's model runner (seconds): workers only."""
+    """W1-W6. Idempotent; imports vLLM's model runner (seconds): workers only."""
     _check_version()
     import vllm.v1.worker.gpu_model_runner as gmr
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -240,6 +249,22 @@ def apply_worker_patches() -> None:
         )
     if not is_applied("W3"):
         _fix_cpu_expand_kernel()
+    if not is_applied("W6"):
+        from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+        from adaflash_vllm.proposers.rejection_sampler import AdaFlashRejectionSampler
+
+        if gmr.RejectionSampler is not RejectionSampler:
+            raise PatchGuardError(
+                "vllm.v1.worker.gpu_model_runner.RejectionSampler is not vLLM's "
+                f"(found {gmr.RejectionSampler!r}); another plugin replaced it."
+            )
+        _check_signature(
+            RejectionSampler,
+            "forward",
+            ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+        )
+        _install("W6", gmr, "RejectionSampler", AdaFlashRejectionSampler)
     if not is_applied("W4"):
         orig = _check_signature(
             gmr.GPUModelRunner,
@@ -326,6 +351,9 @@ def _wrap_take_draft_token_ids(orig: Callable) -> Callable:
 
 def _wrap_execute_model(orig: Callable) -> Callable:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        drafter = getattr(self, "drafter", None)
+        if hasattr(drafter, "ensure_cost_profile"):  # once, before the first step
+            drafter.ensure_cost_profile(self)
         order = getattr(scheduler_output, "adaflash_swap", None)
         if order is not None:
             self._adaflash_swap_result = self.drafter.apply_swap(order)

@@ -19,6 +19,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
+from adaflash_vllm.admission import AdmissionControl
 from adaflash_vllm.config import config_from_additional, runtime_from_additional
 from adaflash_vllm.metrics import RoundStats, StatsPublisher
 from adaflash_vllm.online_engine import OnlineController
@@ -56,6 +57,11 @@ class AdaFlashScheduler(Scheduler):
             if runtime is not None and self.adaflash is not None
             else None
         )
+        self.admission = (
+            AdmissionControl(self.adaflash.admission, k)
+            if self.adaflash is not None and self.adaflash.admission.enabled
+            else None
+        )
         self.online = (
             OnlineController(self.adaflash, runtime)
             if self.adaflash is not None and self.adaflash.online.enabled
@@ -67,7 +73,18 @@ class AdaFlashScheduler(Scheduler):
 
     @override
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
-        output = super().schedule(*args, **kwargs)
+        saved = (self.max_num_active_reqs, self.max_num_scheduled_tokens)
+        if self.admission is not None:
+            admitted_before = len(self.running)
+            self.max_num_active_reqs, self.max_num_scheduled_tokens = (
+                self.admission.limits(len(self.running), *saved)
+            )
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_active_reqs, self.max_num_scheduled_tokens = saved
+        if self.admission is not None:
+            self.admission.observe_schedule(output, admitted_before)
         if self.online is not None:
             self.online.poll()
             # Only a step that runs the model reaches the workers' swap hook.
@@ -84,15 +101,21 @@ class AdaFlashScheduler(Scheduler):
         model_runner_output: ModelRunnerOutput,
     ) -> dict[int, EngineCoreOutputs]:
         before = self._decode_rounds_before(scheduler_output)
+        # Before super(): it truncates finished requests' token lists in place.
+        self._record_rounds(before, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.online is not None and hasattr(scheduler_output, "adaflash_swap"):
             self.online.on_swap_result(
                 getattr(model_runner_output, "adaflash_swap_result", None)
             )
-        self._record_rounds(before, model_runner_output)
         finished = self._forget_finished(before)
+        extra = {}
+        if self.admission is not None:
+            self.admission.end_step(len(before))
+            extra.update(self.admission.gauges())
         if self.online is not None:
-            self.round_stats.extra = self.online.gauges_if_due()
+            extra.update(self.online.gauges_if_due())
+        self.round_stats.extra = extra
         if self._publisher is not None:
             # Publish at once when a request ends, so clients that read /metrics
             # right after their response see its rounds.
@@ -131,6 +154,8 @@ class AdaFlashScheduler(Scheduler):
             accepted = min(len(generated) - 1, k)
             self.rounds.setdefault(req_id, RequestRounds()).add(position, k, accepted)
             self.round_stats.observe_round(k, accepted)
+            if self.admission is not None:
+                self.admission.observe_round(k)
             if self.online is not None:
                 self.online.observe_round(accepted)
 

@@ -60,6 +60,11 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     shapes["hidden_norm.weight"] = (h,)
     if getattr(model.model, "use_aux_hidden_state", True):
         shapes["fc.weight"] = (h, model.model.fc.input_size)
+    head = getattr(model, "length_head", None)
+    if head is not None:
+        shapes.update(
+            {f"length_head.{k}": tuple(v.shape) for k, v in head.state_dict().items()}
+        )
     return shapes
 
 
@@ -137,6 +142,10 @@ def apply_drafter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
     _copy(inner.hidden_norm.weight, state["hidden_norm.weight"])  # aliased buffer
     if "fc.weight" in state:
         _set_linear(inner.fc, state["fc.weight"])
+    head = getattr(model, "length_head", None)
+    if head is not None:
+        for name, param in head.state_dict().items():
+            _copy(param, state[f"length_head.{name}"])
     if getattr(inner, "_fused_kv_weight", None) is not None:
         _copy(inner._fused_kv_weight, torch.cat(fused_kv))
     if getattr(inner, "_k_norm_weights", None) is not None:

@@ -62,3 +62,21 @@ class AdaFlashWorkerExtension:
             "drafter_own": tensor_checksum(own),
             "drafter_fused_kv": tensor_checksum([drafter.model._fused_kv_weight]),
         }
+
+    def adaflash_sampler_stats(self) -> dict[str, list[int]]:
+        """The rejection sampler's own counts (per position; verify lengths)."""
+        sampler = self.model_runner.rejection_sampler
+        return sampler.stats() if hasattr(sampler, "stats") else {}
+
+    def adaflash_budget_state(self) -> dict:
+        """The length policy's view: mode, cost curve, last cost-aware choice."""
+        drafter = self.model_runner.drafter
+        cost = getattr(drafter, "cost_model", None)
+        policy = getattr(drafter, "budget_policy", None)
+        return {
+            "policy": type(policy).__name__,
+            "cost_model": cost.to_dict() if cost is not None else None,
+            "cost_profile_error": getattr(drafter, "cost_profile_error", None),
+            "last_choice": getattr(policy, "last_choice", None),
+            "has_length_head": getattr(drafter.model, "length_head", None) is not None,
+        }

@@ -1,19 +1,43 @@
 """Budget policies: how many of the K drafts each request sends to verification.
 
 A policy sees the batch after the drafter's forward and returns k_i per request
-(0 <= k_i <= K), or None to keep all K (no trimming). Fewer verified drafts never
-change what the target emits (verification is lossless for any prefix of the
-drafts); they only change how much verification costs and how much it can accept.
+(0 <= k_i <= K), or None to keep all K. Fewer verified drafts never change what the
+target emits (verification of any prefix of the drafts is lossless); they change how
+much verification costs and how much it can accept.
 
-Shape symbols: B requests in the batch, K drafts per request, H drafter hidden size.
+    fixed        all K (stock DFlash)
+    debug_ragged k_i = crc32(req_id, round) mod (K + 1), for tests
+    paper        k_i = clamp(round(a_hat_i * K * gamma), k_min, K)   (AdaFlash rule)
+    cost_aware   the k_i that maximise expected emitted tokens per second of step
+                 time, from survival estimates and the measured step-cost curve
+
+Survival s[i, j] = P(draft j of request i is accepted, all before it too) comes from
+the length head (a_hat -> geometric decay with the same expected length) or, for a
+drafter without a head, from the drafter's own confidence (cumulative product of
+the max draft probability, as vLLM's online estimator starts from).
+
+Cost-aware choice (vLLM's adaptive verification does the same with its estimator):
+sort all (i, j >= k_min) slot survivals descending; for a global budget b,
+
+    tokens(b) = sum_i (1 + sum_{j <= k_min} s_ij) + sum of the top-b survivals
+    time(b)   = cost(B * (1 + k_min) + b)
+    b*        = argmax tokens(b) / time(b)
+
+and since s is non-increasing in j, the winners form a prefix per request. It runs
+at every batch size (no threshold): with a flat cost curve b* = all slots (full K);
+with a steep one only the likely slots survive.
+
+Shape symbols: B requests, K drafts per request, H drafter hidden size.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from adaflash_vllm.proposers.cost_model import StepCostModel
 
 from adaflash_vllm.config import LengthConfig
 
@@ -36,10 +60,7 @@ class FixedBudget:
 
 
 class DebugRaggedBudget:
-    """k_i = crc32(req_id, round) mod (K + 1): ragged, deterministic, includes 0.
-
-    For tests and demos of ragged verification; it ignores acceptance entirely.
-    """
+    """k_i = crc32(req_id, round) mod (K + 1): ragged, deterministic, includes 0."""
 
     def __init__(self) -> None:
         self._round: dict[str, int] = {}
@@ -55,8 +76,148 @@ class DebugRaggedBudget:
         return budgets
 
 
-POLICIES = {"fixed": FixedBudget, "debug_ragged": DebugRaggedBudget}
+# ------------------------------------------------------------------ survival
 
 
-def make_budget_policy(cfg: LengthConfig) -> BudgetPolicy:
-    return POLICIES[cfg.mode]()
+def geometric_survival(a_hat: torch.Tensor, k: int, iters: int = 30) -> torch.Tensor:
+    """s [B, K] with s_j = rho^j and sum_j s_j = a_hat * K (bisection on rho)."""
+    target = (a_hat.float().clamp(0, 1) * k).unsqueeze(-1)  # [B, 1]
+    j = torch.arange(1, k + 1, dtype=torch.float32, device=a_hat.device)
+    lo = torch.zeros_like(target)
+    hi = torch.ones_like(target)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        below = (mid**j).sum(-1, keepdim=True) < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return ((lo + hi) / 2) ** j
+
+
+class HeadSurvival:
+    """Survival from the length head's predicted acceptance ratio."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return geometric_survival(self.ratio(hidden), hidden.shape[1])
+
+    @torch.no_grad()
+    def ratio(self, hidden: torch.Tensor) -> torch.Tensor:
+        """a_hat [B]: the head's predicted accepted fraction of the K drafts."""
+        return self.head(hidden)
+
+
+class ConfidenceSurvival:
+    """Survival from the drafter's own confidence: cumprod of max draft probability."""
+
+    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.compute_logits = compute_logits
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, k, h = hidden.shape
+        probs = self.compute_logits(hidden.reshape(b * k, h)).float().softmax(-1)
+        return probs.max(-1).values.view(b, k).cumprod(-1)
+
+    def ratio(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self(hidden).sum(-1) / hidden.shape[1]
+
+
+# ------------------------------------------------------------------ policies
+
+
+class PaperBudget:
+    """k_i = clamp(round(a_hat_i * K * gamma), k_min, K)."""
+
+    def __init__(
+        self,
+        survival: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        gamma: float,
+        k_min: int,
+    ):
+        self.survival, self.gamma, self.k_min = survival, gamma, k_min
+        self.last_expected: torch.Tensor | None = None  # [B] E[accepted] chosen
+
+    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
+        a_hat = self.survival.ratio(hidden_states).float()
+        k = (a_hat * num_drafts * self.gamma).round().clamp(self.k_min, num_drafts)
+        self.last_expected = a_hat * num_drafts
+        return k.long().tolist()
+
+
+class CostAwareBudget:
+    """Budgets maximising expected emitted tokens per second (module docstring)."""
+
+    def __init__(
+        self,
+        survival: Callable[[torch.Tensor], torch.Tensor],
+        cost: Callable[[], StepCostModel | None],
+        *,
+        k_min: int,
+        fallback: PaperBudget,
+    ):
+        self.survival, self.cost, self.k_min = survival, cost, k_min
+        self.fallback = fallback
+        self.last_choice: dict | None = None
+
+    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
+        cost = self.cost()
+        if cost is None:  # no profile (failed or not yet taken): the paper rule
+            return self.fallback.choose(
+                req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden_states
+            )
+        s = self.survival(hidden_states).float().cpu()  # [B, K]
+        return self.allocate(s, cost)
+
+    def allocate(self, s: torch.Tensor, cost: Callable[[float], float]) -> list[int]:
+        """k_i for survivals s [B, K] under step-cost curve `cost` (ms vs tokens)."""
+        b, k = s.shape
+        k_min = min(self.k_min, k)
+        base_tokens = b + float(s[:, :k_min].sum())
+        base_n = b * (1 + k_min)
+        free = s[:, k_min:].reshape(-1)
+        order = torch.argsort(free, descending=True)
+        gains = torch.cat([torch.zeros(1), free[order].cumsum(0)])
+        budgets = torch.arange(gains.numel(), dtype=torch.float32)
+        times = torch.tensor([cost(base_n + float(n)) for n in budgets])
+        rate = (base_tokens + gains) / times
+        best = int(torch.argmax(rate))
+        chosen = torch.zeros(b * (k - k_min), dtype=torch.long)
+        chosen[order[:best]] = 1
+        k_i = chosen.view(b, k - k_min).sum(-1) + k_min
+        self.last_choice = {
+            "budget": best,
+            "tokens_per_ms": float(rate[best]),
+            "full_k_tokens_per_ms": float(rate[-1]),
+        }
+        return k_i.tolist()
+
+
+POLICIES = ("fixed", "debug_ragged", "paper", "cost_aware")
+
+
+def make_budget_policy(
+    cfg: LengthConfig,
+    *,
+    head: torch.nn.Module | None = None,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    cost: Callable[[], StepCostModel | None] = lambda: None,
+) -> BudgetPolicy:
+    """The policy `cfg.mode` names, with the survival estimate it needs."""
+    if cfg.mode == "fixed":
+        return FixedBudget()
+    if cfg.mode == "debug_ragged":
+        return DebugRaggedBudget()
+    use_head = cfg.predictor == "head" or (cfg.predictor == "auto" and head is not None)
+    if use_head and head is None:
+        raise ValueError(
+            'adaflash.length.predictor is "head" but the drafter has '
+            "no length head (dflash_config.thresh_head_bottleneck_dim)"
+        )
+    survival = HeadSurvival(head) if use_head else ConfidenceSurvival(compute_logits)
+    paper = PaperBudget(survival, gamma=cfg.gamma, k_min=cfg.k_min)
+    if cfg.mode == "paper":
+        return paper
+    return CostAwareBudget(survival, cost, k_min=cfg.k_min, fallback=paper)

@@ -15,8 +15,15 @@ Shape symbols: B requests, K drafts per request, H drafter hidden size.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
+from adaflash_vllm.proposers.cost_model import (
+    StepCostModel,
+    profile_sizes,
+    profile_step_costs,
+)
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from typing_extensions import override
 from vllm.logger import init_logger
@@ -33,9 +40,10 @@ class AdaFlashProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.adaflash = config_from_additional(vllm_config.additional_config)
-        self.budget_policy: BudgetPolicy | None = (
-            make_budget_policy(self.adaflash.length) if self.adaflash else None
-        )
+        self.budget_policy: BudgetPolicy | None = None  # built in load_model
+        self.cost_model: StepCostModel | None = None
+        self.cost_profile_error: str | None = None
+        self._last_step: tuple[float, frozenset, int] | None = None
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
         self._budgets: dict[str, int] | None = None
@@ -59,6 +67,13 @@ class AdaFlashProposer(DFlashProposer):
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
         self.swapper = None
+        if self.adaflash is not None:
+            self.budget_policy = make_budget_policy(
+                self.adaflash.length,
+                head=getattr(self.model, "length_head", None),
+                compute_logits=self.model.compute_logits,
+                cost=lambda: self.cost_model,
+            )
         if self.adaflash is None or not self.adaflash.online.enabled:
             return
         from vllm.distributed.parallel_state import (
@@ -107,6 +122,7 @@ class AdaFlashProposer(DFlashProposer):
             return draft_token_ids
         num_reqs, num_drafts = draft_token_ids.shape
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
+        self._observe_step_cost(req_ids)
         hidden = self._mask_hidden
         self._mask_hidden = None
         if hidden is not None and num_drafts > 0:
@@ -119,7 +135,63 @@ class AdaFlashProposer(DFlashProposer):
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
+            verified = sum(1 + k for k in (budgets or [num_drafts] * num_reqs))
+            self._last_step = (time.perf_counter(), frozenset(req_ids), verified)
         return draft_token_ids
+
+    def _observe_step_cost(self, req_ids: list[str]) -> None:
+        """Refresh the cost curve from the step that just ran, when it was a pure
+        decode step of the same batch (so it verified exactly what we chose)."""
+        last, self._last_step = self._last_step, None
+        if last is None or self.cost_model is None or frozenset(req_ids) != last[1]:
+            return
+        self.cost_model.observe(last[2], 1e3 * (time.perf_counter() - last[0]))
+
+    def ensure_cost_profile(self, runner) -> None:
+        """Profile step cost vs verified tokens once, before the first real step
+        (timed dummy forwards); on failure fall back to the paper rule, loudly."""
+        if (
+            self.cost_model is not None
+            or self.cost_profile_error is not None
+            or self.adaflash is None
+            or self.adaflash.length.mode != "cost_aware"
+        ):
+            return
+        if not self.adaflash.length.profile:
+            self.cost_profile_error = "profiling disabled (adaflash.length.profile)"
+            return
+        k = self.num_speculative_tokens
+        max_tokens = min(
+            runner.max_num_tokens, runner.scheduler_config.max_num_seqs * (1 + k)
+        )
+        sampler = getattr(runner, "rejection_sampler", None)
+        if hasattr(sampler, "recording"):
+            sampler.recording = False  # dummy batches are not served rounds
+        try:
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+            self.cost_model = profile_step_costs(
+                lambda n: runner._dummy_run(n), profile_sizes(max_tokens), sync=sync
+            )
+            logger.info(
+                "AdaFlash cost profile (verified tokens -> ms): %s",
+                dict(
+                    zip(
+                        self.cost_model.sizes,
+                        (round(t, 2) for t in self.cost_model.times_ms),
+                        strict=True,
+                    )
+                ),
+            )
+        except Exception as e:  # noqa: BLE001  (a failed profile must not stop serving)
+            self.cost_profile_error = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "AdaFlash: cost profile failed (%s); cost_aware falls back to "
+                "the paper rule",
+                self.cost_profile_error,
+            )
+        finally:
+            if hasattr(sampler, "recording"):
+                sampler.recording = True
 
     def _capture(self, req_ids, draft_token_ids, hidden) -> None:
         """Record what the drafter saw and produced (parity tests, debugging)."""

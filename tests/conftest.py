@@ -30,3 +30,33 @@ def _seed():
 def tiny(tmp_path_factory) -> TinyModels:
     """Tiny target, random drafter and a drafter trained on the target's outputs."""
     return build_tiny_models(Path(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def tiny_head_drafter(tiny) -> Path:
+    """The trained tiny drafter plus a length head trained on its acceptance."""
+    from adaflash_vllm.proposers.length_head import CONFIG_KEY
+    from adaflash_vllm.training.checkpoint import load_drafter, save_drafter
+    from adaflash_vllm.training.drafter import DFlashDrafter
+    from adaflash_vllm.training.features import TargetModel
+    from adaflash_vllm.training.head import train_length_head
+
+    cfg, state = load_drafter(tiny.drafter_trained)
+    cfg["dflash_config"][CONFIG_KEY] = 32
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state, strict=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_length_head(
+            drafter.length_head,
+            drafter,
+            TargetModel(tiny.target),
+            tiny.sequences,
+            num_drafts=3,
+            epochs=6,
+            lr=3e-3,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return save_drafter(tiny.root / "drafter-head", cfg, drafter.state_dict())

@@ -64,6 +64,7 @@ class TinyModels:
     drafter_random: Path
     drafter_trained: Path
     trained_tau: float  # greedy tau of the trained drafter on PROMPTS (offline eval)
+    sequences: list  # the target's greedy continuations the drafter trained on
 
     def spec(
         self,
@@ -144,7 +145,7 @@ def _build_tiny_models(root: Path) -> TinyModels:
     trainer.train(seqs)
     tau = evaluate_tau(drafter, tgt, seqs[: len(PROMPTS)], 3)["tau"]
     trained = trainer.save_checkpoint(root / "drafter-trained")
-    return TinyModels(root, target, drafter_random, trained, tau)
+    return TinyModels(root, target, drafter_random, trained, tau, seqs)
 
 
 def _tokenizer(target: Path):

@@ -29,7 +29,10 @@ def test_empty_section_gives_defaults():
         # a typo at the top level names the key and lists the valid ones
         ({"lenght": {}}, "unknown key `adaflash.lenght`. Did you mean `length`?"),
         # nested typo: path and valid siblings
-        ({"length": {"mod": "fixed"}}, "Valid keys in `adaflash.length`: mode"),
+        (
+            {"length": {"mod": "fixed"}},
+            "Valid keys in `adaflash.length`: gamma, k_min, mode",
+        ),
         # wrong enum value names the allowed ones
         ({"length": {"mode": "adaptive"}}, "adaflash.length.mode"),
         # out-of-range number names the bound

@@ -23,6 +23,9 @@ from safetensors.torch import load_file, save_file
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+HEAD_PREFIX = "length_head."
+HEAD_FILE = "length_head.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 SHARED_WITH_TARGET = ("embed_tokens", "lm_head")
 """Name fragments of tensors the drafter borrows from the target: never saved."""
 
@@ -124,14 +127,38 @@ def save_drafter(
     Tensors named like the target's shared modules are refused: writing them would
     make vLLM load a private copy instead of sharing the target's.
     """
-    shared = [k for k in state if any(s in k for s in SHARED_WITH_TARGET)]
+    shared = [
+        k
+        for k in state
+        if any(k.startswith(s) or f".{s}" in k for s in SHARED_WITH_TARGET)
+    ]
     if shared:
         raise ValueError(f"drafter state holds target-owned tensors: {shared}")
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    tensors = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in state.items()
+        if not k.startswith(HEAD_PREFIX)
+    }
+    head = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in state.items()
+        if k.startswith(HEAD_PREFIX)
+    }
     save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    if head:  # beside the drafter, hidden from stock vLLM by the weight index
+        save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
+        (tmp / INDEX_FILE).write_text(
+            json.dumps(
+                {
+                    "metadata": {},
+                    "weight_map": dict.fromkeys(sorted(tensors), WEIGHTS_NAME),
+                },
+                indent=1,
+            )
+        )
     (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     for name, data in (extra_files or {}).items():
         (tmp / name).write_bytes(data)
@@ -153,7 +180,10 @@ def load_drafter(
     """Read (config, state) of a drafter checkpoint folder."""
     path = Path(path)
     cfg = json.loads((path / CONFIG_NAME).read_text())
-    return cfg, load_file(str(path / WEIGHTS_NAME))
+    state = load_file(str(path / WEIGHTS_NAME))
+    if (path / HEAD_FILE).exists():
+        state.update(load_file(str(path / HEAD_FILE)))
+    return cfg, state
 
 
 def _rmtree(path: Path) -> None:

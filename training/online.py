@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from adaflash_vllm.training.blocks import (
 from adaflash_vllm.training.data import Sequence
 from adaflash_vllm.training.drafter import DFlashDrafter
 from adaflash_vllm.training.features import TargetModel
+from adaflash_vllm.training.head import head_loss, head_targets
 from adaflash_vllm.training.losses import position_decay_weights
 
 from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
@@ -50,6 +52,7 @@ from adaflash_vllm.versions import (
 )
 
 HEARTBEAT = "trainer.json"
+HEAD_LR = 2e-4  # the AdaFlash paper's head learning rate
 
 
 @dataclass
@@ -67,6 +70,7 @@ class RoundMetrics:
     accept_after: float  # same blocks, after training (no grad)
     seconds: float
     tokens_per_s: float
+    head_mse: float  # length head's MSE on realised acceptance (0: no head)
 
 
 class OnlineTrainer:
@@ -99,7 +103,7 @@ class OnlineTrainer:
         self.version, self.drafter = self._load_drafter()
         self._check_fits_target()
         self.decay = position_decay_weights(num_drafts, self.cfg.gamma).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=self.cfg.lr)
+        self.optimizer = self._make_optimizer()
         self.reader = BufferReader(self.cfg.buffer_dir, self._load_position())
         self._restore_optimizer()
         self.pending: list[Trajectory] = []
@@ -117,6 +121,22 @@ class OnlineTrainer:
         self.history: list[dict] = []
         self._beat_stop = threading.Event()
         threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; the length head (if any) in its own group at `HEAD_LR`."""
+        head = self.drafter.length_head
+        head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+        groups = [
+            {
+                "params": [
+                    p for p in self.drafter.parameters() if id(p) not in head_ids
+                ],
+                "lr": self.cfg.lr,
+            }
+        ]
+        if head is not None:
+            groups.append({"params": list(head.parameters()), "lr": HEAD_LR})
+        return torch.optim.AdamW(groups)
 
     # ------------------------------------------------------------- startup
     def _load_drafter(self) -> tuple[int, DFlashDrafter]:
@@ -239,18 +259,7 @@ class OnlineTrainer:
         self._follow_rejections()
         seqs, forced = self._sequences(trajectories)
         t0 = time.perf_counter()
-        sums = {
-            "loss": 0.0,
-            "ce": 0.0,
-            "rkl": 0.0,
-            "w": 0.0,
-            "clipped": 0,
-            "entries": 0,
-            "rows_clipped": 0,
-            "rows": 0,
-            "acc": 0.0,
-            "blocks": 0,
-        }
+        sums: dict[str, float] = defaultdict(float)
         steps = tokens = 0
         order = list(range(len(seqs)))
         rng = random.Random(self.version)
@@ -265,19 +274,8 @@ class OnlineTrainer:
                 )
                 steps += 1
                 tokens += sum(len(seqs[j].token_ids) for j in idx)
-                for k in (
-                    "loss",
-                    "ce",
-                    "rkl",
-                    "w",
-                    "clipped",
-                    "entries",
-                    "rows_clipped",
-                    "rows",
-                    "acc",
-                    "blocks",
-                ):
-                    sums[k] += out[k]
+                for key, value in out.items():
+                    sums[key] += value
         accept_after = self.measure_accept(seqs, forced)
         seconds = time.perf_counter() - t0
         metrics = RoundMetrics(
@@ -292,6 +290,7 @@ class OnlineTrainer:
             accept_after=accept_after,
             seconds=seconds,
             tokens_per_s=tokens / seconds,
+            head_mse=sums["head_mse"] / max(1, steps),
         )
         self.publish(metrics)
         self.status = "idle"
@@ -324,7 +323,7 @@ class OnlineTrainer:
             batch.input_ids, self.drafter.target_layer_ids, batch.valid.long()
         )
         labels, label_valid, teacher_index = block_labels(batch, self.num_drafts)
-        logits, _ = student_logits(
+        logits, hidden = student_logits(
             self.drafter, self.target, batch, features, self.num_drafts
         )
         teacher = gather_teacher(target_logits, teacher_index)
@@ -337,8 +336,15 @@ class OnlineTrainer:
             delta=self.cfg.delta,
             weights=weights,
         )
+        loss, head_mse = out.loss, 0.0
+        if self.drafter.length_head is not None:
+            # Labels over the whole block of K, from the recomputed target.
+            ratio = head_targets(logits.detach(), labels, label_valid)
+            mask = (batch.anchor_valid & label_valid.any(-1)).float()
+            h_loss = head_loss(self.drafter.length_head, hidden, ratio, mask)
+            loss, head_mse = loss + h_loss, float(h_loss)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         acc, blocks = 0.0, 0
@@ -360,6 +366,7 @@ class OnlineTrainer:
             "rows": int((weights > 0).sum()),
             "acc": acc,
             "blocks": blocks,
+            "head_mse": head_mse,
         }
 
     @torch.no_grad()
@@ -435,9 +442,7 @@ class OnlineTrainer:
             version, drafter = self._load_drafter()
             self.drafter.load_state_dict(drafter.state_dict())
             self.version = version
-            self.optimizer = torch.optim.AdamW(
-                self.drafter.parameters(), lr=self.cfg.lr
-            )
+            self.optimizer = self._make_optimizer()
             print(
                 json.dumps(
                     {

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from adaflash_vllm.proposers.length_head import CONFIG_KEY
 from adaflash_vllm.training.checkpoint import drafter_config
 from adaflash_vllm.training.data import (
     Sequence,
@@ -27,6 +28,7 @@ from adaflash_vllm.training.data import (
     regenerate,
     save_sequences,
 )
+from adaflash_vllm.training.head import evaluate_length_head, train_length_head
 from adaflash_vllm.training.offline import (
     OfflineTrainConfig,
     OfflineTrainer,
@@ -69,6 +71,15 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument(
+        "--length-head",
+        type=int,
+        default=64,
+        metavar="D",
+        help="train a length head with bottleneck D after the drafter (0: none)",
+    )
+    p.add_argument("--head-epochs", type=int, default=4)
+    p.add_argument("--head-lr", type=float, default=2e-3)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--seed", type=int, default=d.seed)
 
@@ -178,6 +189,9 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
                 target_layer_ids=layer_ids,
                 mask_token_id=mask_token_of(target),
                 block_size=args.block_size,
+                extra_dflash=(
+                    {CONFIG_KEY: args.length_head} if args.length_head else None
+                ),
             ),
         )
     k = args.block_size - 1
@@ -187,6 +201,22 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     state = trainer.train(train_seqs)
     wall = time.perf_counter() - t0
     after = evaluate_tau(drafter, tgt, eval_seqs, k)
+    head_metrics = None
+    if drafter.length_head is not None:
+        losses = train_length_head(
+            drafter.length_head,
+            drafter,
+            tgt,
+            train_seqs,
+            num_drafts=k,
+            epochs=args.head_epochs,
+            lr=args.head_lr,
+            seed=args.seed,
+        )
+        head_metrics = evaluate_length_head(
+            drafter.length_head, drafter, tgt, eval_seqs, num_drafts=k
+        )
+        head_metrics["final_train_mse"] = losses[-1] if losses else None
     metrics = {
         "tau_eval_before": before["tau"],
         "tau_eval": after["tau"],
@@ -200,6 +230,7 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
         "config": asdict(cfg),
         "target": str(target),
         "prompts": str(args.prompts),
+        "length_head_calibration": head_metrics,
     }
     trainer.save_checkpoint(out / "drafter", metrics=metrics)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -1,0 +1,103 @@
+"""What a decode step costs as a function of the tokens the target verifies.
+
+Profiled once in the worker (timed dummy forwards at a ladder of token counts,
+before the first real step) and refreshed online from real decode steps: the
+proposer times consecutive steps whose batch did not change and moves the table
+toward what it saw (EMA). The cost-aware budget policy only needs differences in
+cost between token counts, plus the step's fixed part, both of which this gives.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+
+class StepCostModel:
+    """Piecewise-linear step time (ms) over verified tokens n, refreshed online."""
+
+    def __init__(self, sizes: list[int], times_ms: list[float], *, ema: float = 0.2):
+        if (
+            len(sizes) < 2
+            or sorted(sizes) != list(sizes)
+            or len(sizes) != len(times_ms)
+        ):
+            raise ValueError(f"need >= 2 increasing sizes with times, got {sizes}")
+        if any(t <= 0 for t in times_ms):
+            raise ValueError(f"step times must be positive, got {times_ms}")
+        self.sizes = list(sizes)
+        self.times_ms = [float(t) for t in times_ms]
+        self.ema = ema
+        self.observations = 0
+
+    def __call__(self, n: float) -> float:
+        s, t = self.sizes, self.times_ms
+        i = bisect.bisect_left(s, n)
+        if i == 0:
+            i = 1
+        elif i == len(s):
+            i = len(s) - 1
+        x0, x1, y0, y1 = s[i - 1], s[i], t[i - 1], t[i]
+        return max(1e-6, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+    def observe(self, n: int, ms: float) -> None:
+        """Blend a measured step (n tokens, ms) into the nearest table point."""
+        if ms <= 0 or n <= 0:
+            return
+        i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
+        ratio = ms / self(n)
+        self.times_ms[i] *= (1 - self.ema) + self.ema * ratio
+        self._keep_monotone()
+        self.observations += 1
+
+    def _keep_monotone(self) -> None:
+        for j in range(1, len(self.times_ms)):
+            self.times_ms[j] = max(self.times_ms[j], self.times_ms[j - 1])
+
+    @property
+    def slope_ms_per_token(self) -> float:
+        return (self.times_ms[-1] - self.times_ms[0]) / (self.sizes[-1] - self.sizes[0])
+
+    def to_dict(self) -> dict:
+        return {
+            "sizes": self.sizes,
+            "times_ms": self.times_ms,
+            "observations": self.observations,
+        }
+
+
+def profile_step_costs(
+    run: Callable[[int], object],
+    sizes: list[int],
+    *,
+    repeats: int = 3,
+    sync: Callable[[], None] | None = None,
+) -> StepCostModel:
+    """Time `run(n)` (a dummy forward of n tokens) for each size; median of repeats."""
+    times = []
+    for n in sizes:
+        run(n)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            run(n)
+            if sync:
+                sync()
+            samples.append(1e3 * (time.perf_counter() - t0))
+        times.append(sorted(samples)[len(samples) // 2])
+    for j in range(1, len(times)):  # noise must not make more tokens cheaper
+        times[j] = max(times[j], times[j - 1])
+    return StepCostModel(sizes, times)
+
+
+def profile_sizes(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to max_tokens (inclusive)."""
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_tokens)
+    return sorted(set(sizes))

@@ -1,0 +1,66 @@
+"""AdaFlashRejectionSampler: vLLM's rejection sampler plus verification counters.
+
+Verification itself is vLLM's (lossless for ragged `num_draft_tokens`: each request
+is checked against its own drafts only). This subclass counts, on the device and
+without host syncs, drafted and accepted tokens per draft position and the
+distribution of per-request verify lengths `1 + k_i`: an independent, worker-side
+record of what the ragged batches really verified (the scheduler keeps its own).
+
+Shape symbols: B requests in the step, K max drafts per request.
+"""
+
+from __future__ import annotations
+
+import torch
+from typing_extensions import override
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+
+class AdaFlashRejectionSampler(RejectionSampler):
+    """Counts per-position drafted/accepted tokens and verify lengths."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._counts: dict[str, torch.Tensor] | None = None
+        self.recording = True  # off while profiling with dummy batches
+
+    @override
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        output = super().forward(metadata, draft_probs, logits, sampling_metadata)
+        if self.recording:
+            self._record(metadata.num_draft_tokens, output.sampled_token_ids)
+        return output
+
+    def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
+        # sampled: [B, K + 1], -1 after the first rejection (and past k_i + 1).
+        device = sampled.device
+        k_max = sampled.shape[1] - 1
+        if self._counts is None or self._counts["drafted"].numel() < k_max:
+            self._grow(k_max, device)
+        drafts = torch.tensor(num_draft_tokens, device=device)
+        accepted = (sampled >= 0).sum(-1) - 1
+        pos = torch.arange(k_max, device=device)
+        c = self._counts
+        c["drafted"][:k_max] += (pos < drafts.unsqueeze(-1)).sum(0)
+        c["accepted"][:k_max] += (pos < accepted.unsqueeze(-1)).sum(0)
+        c["verify_hist"].index_add_(
+            0, drafts.clamp(max=c["verify_hist"].numel() - 1), torch.ones_like(drafts)
+        )
+
+    def _grow(self, k_max: int, device: torch.device) -> None:
+        old = self._counts
+        new = {
+            "drafted": torch.zeros(k_max, dtype=torch.long, device=device),
+            "accepted": torch.zeros(k_max, dtype=torch.long, device=device),
+            "verify_hist": torch.zeros(k_max + 1, dtype=torch.long, device=device),
+        }
+        if old is not None:
+            for key, value in old.items():
+                new[key][: value.numel()] += value
+        self._counts = new
+
+    def stats(self) -> dict[str, list[int]]:
+        """Cumulative counts; verify_hist[j] = rounds that verified j drafts."""
+        if self._counts is None:
+            return {"drafted": [], "accepted": [], "verify_hist": []}
+        return {k: v.cpu().tolist() for k, v in self._counts.items()}

@@ -1,0 +1,141 @@
+"""Budget policies on synthetic survivals and cost curves (no engine)."""
+
+import pytest
+import torch
+
+from adaflash_vllm.config import LengthConfig
+from adaflash_vllm.proposers.budget import (
+    CostAwareBudget,
+    DebugRaggedBudget,
+    PaperBudget,
+    geometric_survival,
+    make_budget_policy,
+)
+from adaflash_vllm.proposers.cost_model import StepCostModel, profile_step_costs
+
+K = 7
+
+
+class _FixedSurvival:
+    def __init__(self, s: torch.Tensor):
+        self.s = s
+
+    def __call__(self, hidden):
+        return self.s
+
+    def ratio(self, hidden):
+        return self.s.sum(-1) / self.s.shape[-1]
+
+
+def _fixed_survival(s: torch.Tensor) -> _FixedSurvival:
+    return _FixedSurvival(s)
+
+
+def _cost_aware(s, cost, k_min=0):
+    paper = PaperBudget(_fixed_survival(s), gamma=1.0, k_min=k_min)
+    return CostAwareBudget(
+        _fixed_survival(s), lambda: cost, k_min=k_min, fallback=paper
+    )
+
+
+def test_geometric_survival_matches_expected_length_and_decays():
+    a = torch.tensor([0.0, 0.3, 0.7, 1.0])
+    s = geometric_survival(a, K)
+    assert torch.allclose(s.sum(-1), a * K, atol=1e-3)
+    assert (s[:, 1:] <= s[:, :-1] + 1e-7).all()
+
+
+@pytest.mark.parametrize(
+    "a_hat, gamma, k_min, want",
+    [
+        (0.6, 1.0, 1, 4),  # round(0.6 * 7) = 4
+        (0.05, 1.0, 1, 1),  # clamped up to k_min
+        (0.9, 1.3, 0, 7),  # clamped down to K
+        (0.0, 1.0, 0, 0),  # k_i = 0 allowed
+    ],
+)
+def test_paper_rule(a_hat, gamma, k_min, want):
+    s = geometric_survival(torch.tensor([a_hat]), K)
+    policy = PaperBudget(_fixed_survival(s), gamma=gamma, k_min=k_min)
+    assert policy.choose(req_ids=["r"], num_drafts=K, hidden_states=None) == [want]
+
+
+def test_cost_aware_takes_full_k_when_verification_is_flat():
+    """Flat cost: every extra slot is free, so every request verifies all K."""
+    s = geometric_survival(torch.tensor([0.2, 0.5, 0.9]), K)
+    flat = StepCostModel([1, 64], [10.0, 10.0])
+    assert _cost_aware(s, flat).choose(
+        req_ids=["a", "b", "c"], num_drafts=K, hidden_states=None
+    ) == [K, K, K]
+
+
+def test_cost_aware_trims_when_verification_is_steep():
+    """Steep cost: only likely slots pay; the confident request keeps more."""
+    s = geometric_survival(torch.tensor([0.15, 0.85]), K)
+    steep = StepCostModel([1, 64], [10.0, 73.0])  # 10 ms fixed + 1 ms per token
+    k = _cost_aware(s, steep).choose(
+        req_ids=["a", "b"], num_drafts=K, hidden_states=None
+    )
+    assert k[0] < k[1] <= K and k[0] < K
+
+
+def test_cost_aware_maximises_tokens_per_time_exactly():
+    """The chosen allocation beats every uniform k on expected tokens per ms."""
+    torch.manual_seed(0)
+    s = geometric_survival(torch.rand(16), K)
+    cost = StepCostModel([1, 16, 64, 128], [5.0, 6.0, 12.0, 30.0])
+    k = torch.tensor(
+        _cost_aware(s, cost).choose(
+            req_ids=[str(i) for i in range(16)], num_drafts=K, hidden_states=None
+        )
+    )
+
+    def rate(ks):
+        mask = torch.arange(K).unsqueeze(0) < ks.unsqueeze(-1)
+        return float(16 + (s * mask).sum()) / cost(float(16 + ks.sum()))
+
+    best_uniform = max(rate(torch.full((16,), u)) for u in range(K + 1))
+    assert rate(k) >= best_uniform - 1e-9
+
+
+def test_cost_aware_respects_k_min_and_prefixes():
+    s = geometric_survival(torch.tensor([0.01, 0.5]), K)
+    steep = StepCostModel([1, 16], [1.0, 100.0])
+    k = _cost_aware(s, steep, k_min=2).choose(
+        req_ids=["a", "b"], num_drafts=K, hidden_states=None
+    )
+    assert all(2 <= x <= K for x in k)
+
+
+def test_cost_aware_without_profile_uses_the_paper_rule():
+    s = geometric_survival(torch.tensor([0.6]), K)
+    paper = PaperBudget(_fixed_survival(s), gamma=1.0, k_min=1)
+    policy = CostAwareBudget(_fixed_survival(s), lambda: None, k_min=1, fallback=paper)
+    assert policy.choose(req_ids=["r"], num_drafts=K, hidden_states=None) == [4]
+
+
+def test_profile_and_online_refresh():
+    calls = []
+    model = profile_step_costs(lambda n: calls.append(n), [1, 4, 16], repeats=2)
+    assert sorted(set(calls)) == [1, 4, 16] and model(8) >= model(4) > 0
+    before = model(16)
+    for _ in range(20):
+        model.observe(16, before * 3)
+    assert model(16) > 2 * before and model.observations == 20
+
+
+def test_debug_ragged_covers_zero_to_k():
+    policy = DebugRaggedBudget()
+    seen = set()
+    for _ in range(30):
+        seen.update(
+            policy.choose(
+                req_ids=[f"r{i}" for i in range(8)], num_drafts=K, hidden_states=None
+            )
+        )
+    assert seen == set(range(K + 1))
+
+
+def test_head_predictor_required_when_asked():
+    with pytest.raises(ValueError, match="no length head"):
+        make_budget_policy(LengthConfig(mode="paper", predictor="head"), head=None)
