@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-
-from adaflash_vllm.config import LengthConfig
 from adaflash_vllm.proposers.budget import (
     CostAwareBudget,
     DebugRaggedBudget,
@@ -12,6 +10,8 @@ from adaflash_vllm.proposers.budget import (
     make_budget_policy,
 )
 from adaflash_vllm.proposers.cost_model import StepCostModel, profile_step_costs
+
+from adaflash_vllm.config import LengthConfig
 
 K = 7
 

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from adaflash_vllm.proposers.length_head import CONFIG_KEY, LengthHead, load_length_head
 from adaflash_vllm.training.checkpoint import (
     HEAD_FILE,
