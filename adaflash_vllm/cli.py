@@ -25,6 +25,12 @@ def _cmd_train_drafter(args: argparse.Namespace) -> None:
     main_train_drafter(args)
 
 
+def _cmd_eval_drafter(args: argparse.Namespace) -> None:
+    from adaflash_vllm.training.train_drafter import main_eval_drafter
+
+    main_eval_drafter(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> None:
     from adaflash_vllm.demo import run_demo
 
@@ -62,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_drafter_args(p)
     p.set_defaults(func=_cmd_train_drafter)
+
+    from adaflash_vllm.training.train_drafter import add_eval_drafter_args
+
+    p = sub.add_parser(
+        "eval-drafter",
+        help="tau of a drafter on target-regenerated responses, per prompt file",
+    )
+    add_eval_drafter_args(p)
+    p.set_defaults(func=_cmd_eval_drafter)
 
     from adaflash_vllm.demo import add_demo_args
 

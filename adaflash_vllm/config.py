@@ -110,6 +110,8 @@ class OnlineConfig(_Struct):
     trainer_cores: list[Annotated[int, Meta(ge=0)]] | None = None
     # CPU cores for the trainer process (None = no pinning).
     trainer_device: Literal["auto", "cpu", "cuda"] = "auto"
+    trainer_ranks: Annotated[int, Meta(ge=1, le=64)] = 1
+    # Data-parallel trainer processes (DDP; gloo on CPU, NCCL on GPU, one GPU each).
     push: bool = True
     # Push new versions over torch.distributed (else workers read the folder).
     push_host: str = "127.0.0.1"

@@ -97,7 +97,8 @@ def student_logits(
     drafter, target, batch: Batch, features: torch.Tensor, num_drafts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter logits [B, M, K, V] at the K mask slots, and hidden [B, M, K, H]."""
-    ids, positions = drafter.make_blocks(batch.input_ids, batch.anchors, num_drafts)
+    module = getattr(drafter, "module", drafter)  # DDP wraps the drafter
+    ids, positions = module.make_blocks(batch.input_ids, batch.anchors, num_drafts)
     hidden = drafter(
         features=features,
         block_ids=ids,

@@ -162,6 +162,9 @@ def save_drafter(
     (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     for name, data in (extra_files or {}).items():
         (tmp / name).write_bytes(data)
+    tmp.chmod(0o755)  # mkdtemp makes it private; checkpoints are meant to be shared
+    for f in tmp.iterdir():
+        f.chmod(0o644)
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         if old.exists():

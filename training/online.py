@@ -92,16 +92,23 @@ class OnlineTrainer:
         num_drafts: int,
         device: str = "cpu",
         push: bool | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.cfg: OnlineConfig = cfg.online
         self.num_drafts = num_drafts
         self.device = torch.device(device)
+        # Data parallel: every rank trains on its share of each step's sequences;
+        # rank 0 alone reads the buffer, publishes, pushes and writes state.
+        self.rank, self.world = rank, world_size
+        self.is_main = rank == 0
         self.state_dir = Path(self.cfg.versions_dir) / "trainer"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.target = TargetModel(target_path, device=self.device)
         self.drafter_path = drafter_path
         self.version, self.drafter = self._load_drafter()
         self._check_fits_target()
+        self.model = self._wrap_ddp(self.drafter)
         self.decay = position_decay_weights(num_drafts, self.cfg.gamma).to(self.device)
         self.optimizer = self._make_optimizer()
         self.reader = BufferReader(self.cfg.buffer_dir, self._load_position())
@@ -109,6 +116,11 @@ class OnlineTrainer:
         self.pending: list[Trajectory] = []
         self.session = uuid.uuid4().hex[:12]
         self.push_server = None
+        self.status = "idle"
+        self.history: list[dict] = []
+        self._beat_stop = threading.Event()
+        if not self.is_main:
+            return
         if self.cfg.push if push is None else push:
             from adaflash_vllm.transport import PushServer
 
@@ -117,10 +129,39 @@ class OnlineTrainer:
             self.push_server = PushServer(
                 self.cfg.push_host, self.cfg.push_port, backend=backend
             ).start()
-        self.status = "idle"
-        self.history: list[dict] = []
-        self._beat_stop = threading.Event()
         threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def _wrap_ddp(self, drafter: DFlashDrafter) -> torch.nn.Module:
+        if self.world == 1:
+            return drafter
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(drafter, device_ids=ids)
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        """Sum `values` over ranks (identity with one rank)."""
+        if self.world == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(
+            values,
+            dtype=torch.float64,
+            device=self.device if self.device.type == "cuda" else "cpu",
+        )
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW; the length head (if any) in its own group at `HEAD_LR`."""
@@ -240,16 +281,20 @@ class OnlineTrainer:
     ) -> None:
         """Tail the buffer and train every `train_every` trajectories."""
         rounds = 0
-        while not (stop and stop.is_set()) and (
-            max_rounds is None or rounds < max_rounds
-        ):
-            self.pending.extend(self.reader.read_new())
-            if len(self.pending) < self.cfg.train_every:
+        while max_rounds is None or rounds < max_rounds:
+            batch, stopping = None, bool(stop and stop.is_set())
+            if self.is_main and not stopping:
+                self.pending.extend(self.reader.read_new())
+                if len(self.pending) >= self.cfg.train_every:
+                    batch = self.pending[: self.cfg.train_every]
+                    self.pending = self.pending[self.cfg.train_every :]
+            batch, stopping = self._broadcast((batch, stopping))
+            if stopping:
+                break
+            if batch is None:
                 self.status = "waiting"
                 time.sleep(idle_sleep_s)
                 continue
-            batch = self.pending[: self.cfg.train_every]
-            self.pending = self.pending[self.cfg.train_every :]
             self.train_round(batch)
             rounds += 1
 
@@ -266,7 +311,7 @@ class OnlineTrainer:
         for epoch in range(self.cfg.epochs):
             rng.shuffle(order)
             for i in range(0, len(order), self.cfg.batch_size):
-                idx = order[i : i + self.cfg.batch_size]
+                idx = self._shard(order, i)
                 out = self.step(
                     [seqs[j] for j in idx],
                     [forced[j] for j in idx],
@@ -276,6 +321,9 @@ class OnlineTrainer:
                 tokens += sum(len(seqs[j].token_ids) for j in idx)
                 for key, value in out.items():
                     sums[key] += value
+        keys = sorted(sums)
+        sums = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
+        tokens = int(self._all_reduce([float(tokens)])[0])
         accept_after = self.measure_accept(seqs, forced)
         seconds = time.perf_counter() - t0
         metrics = RoundMetrics(
@@ -290,11 +338,21 @@ class OnlineTrainer:
             accept_after=accept_after,
             seconds=seconds,
             tokens_per_s=tokens / seconds,
-            head_mse=sums["head_mse"] / max(1, steps),
+            head_mse=sums["head_mse"] / max(1, steps * self.world),
         )
-        self.publish(metrics)
+        if self.is_main:
+            self.publish(metrics)
+        self.version = self._broadcast(self.version)
         self.status = "idle"
         return metrics
+
+    def _shard(self, order: list[int], start: int) -> list[int]:
+        """This rank's part of the global step starting at `start` (the global batch
+        is `batch_size` sequences; a short last batch wraps around so every rank
+        gets work and DDP's collectives line up)."""
+        size = max(self.cfg.batch_size, self.world)
+        idx = [order[(start + j) % len(order)] for j in range(size)]
+        return idx[self.rank :: self.world]
 
     def _sequences(
         self, trajectories: list[Trajectory]
@@ -324,7 +382,7 @@ class OnlineTrainer:
         )
         labels, label_valid, teacher_index = block_labels(batch, self.num_drafts)
         logits, hidden = student_logits(
-            self.drafter, self.target, batch, features, self.num_drafts
+            self.model, self.target, batch, features, self.num_drafts
         )
         teacher = gather_teacher(target_logits, teacher_index)
         weights = (self.decay.view(1, 1, -1) * label_valid).flatten()
@@ -336,7 +394,11 @@ class OnlineTrainer:
             delta=self.cfg.delta,
             weights=weights,
         )
-        loss, head_mse = out.loss, 0.0
+        # (sum, count) pairs: divide by the weight of the global batch; DDP then
+        # averages gradients over ranks, hence the factor `world`.
+        global_w = self._all_reduce([float(out.weight_sum)])[0]
+        loss = out.loss_sum * (self.world / max(global_w, 1e-12))
+        head_mse = 0.0
         if self.drafter.length_head is not None:
             # Labels over the whole block of K, from the recomputed target.
             ratio = head_targets(logits.detach(), labels, label_valid)
@@ -437,7 +499,12 @@ class OnlineTrainer:
     def _follow_rejections(self) -> None:
         """If the engine rejected or rolled back our latest version, continue from the
         newest good one instead (never build on a version serving refused)."""
-        if self.version and self.version in rejected_versions(self.cfg.versions_dir):
+        rejected = (
+            self.is_main
+            and self.version
+            and self.version in rejected_versions(self.cfg.versions_dir)
+        )
+        if self._broadcast(bool(rejected)):
             good = newest_good_version(self.cfg.versions_dir)
             version, drafter = self._load_drafter()
             self.drafter.load_state_dict(drafter.state_dict())
@@ -488,9 +555,6 @@ def main_trainer(args) -> None:
         )
     cfg = resolve_online_paths(cfg)
     online = cfg.online
-    if online.trainer_cores:
-        os.sched_setaffinity(0, set(online.trainer_cores))
-        torch.set_num_threads(len(online.trainer_cores))
     device = args.device or (
         "cuda"
         if online.trainer_device == "cuda"
@@ -509,15 +573,61 @@ def main_trainer(args) -> None:
         ),
         flush=True,
     )
+    job = {
+        "cfg": cfg,
+        "target": args.target,
+        "drafter": args.drafter or spec["model"],
+        "num_drafts": spec["num_speculative_tokens"],
+        "device": device,
+        "max_rounds": args.max_rounds,
+    }
+    if online.trainer_ranks == 1:
+        run_rank(0, 1, None, job)
+        return
+    import torch.multiprocessing as tmp
+
+    from adaflash_vllm.serve_process import free_port
+
+    tmp.start_processes(
+        run_rank,
+        args=(online.trainer_ranks, free_port(), job),
+        nprocs=online.trainer_ranks,
+        start_method="spawn",
+    )
+
+
+def run_rank(rank: int, world_size: int, port: int | None, job: dict) -> None:
+    """One trainer rank: pin cores, join the trainers' own process group (not the
+    engine's), train until stopped."""
+    cfg, device = job["cfg"], job["device"]
+    cores = cfg.online.trainer_cores
+    if cores:
+        mine = cores[rank::world_size] or cores
+        os.sched_setaffinity(0, set(mine))
+        torch.set_num_threads(len(mine))
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+        )
     trainer = OnlineTrainer(
         cfg,
-        target_path=args.target,
-        drafter_path=args.drafter or spec["model"],
-        num_drafts=spec["num_speculative_tokens"],
+        target_path=job["target"],
+        drafter_path=job["drafter"],
+        num_drafts=job["num_drafts"],
         device=device,
+        rank=rank,
+        world_size=world_size,
     )
     try:
-        trainer.run(max_rounds=args.max_rounds)
+        trainer.run(max_rounds=job["max_rounds"])
     except KeyboardInterrupt:
         pass
     finally:

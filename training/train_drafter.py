@@ -47,6 +47,9 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-prompts", help="held-out JSONL (default: split --prompts)")
     p.add_argument("--eval-fraction", type=float, default=0.1)
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N")
+    p.add_argument(
+        "--domain", default=None, help="only prompts whose `domain` field equals this"
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="response length")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration T")
     p.add_argument("--init", help="start from this drafter checkpoint")
@@ -141,7 +144,14 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = Path(args.target)
-    records = load_prompts(args.prompts, limit=args.num_prompts, seed=args.seed)
+    records = load_prompts(args.prompts)
+    if args.domain:
+        records = [r for r in records if r.get("domain") == args.domain]
+        if not records:
+            raise AdaFlashConfigError(
+                f"{args.prompts} has no prompts with domain {args.domain!r}"
+            )
+    records = records[: args.num_prompts] if args.num_prompts else records
     if args.eval_prompts:
         train_recs, eval_recs = records, load_prompts(args.eval_prompts)
     else:
@@ -236,3 +246,59 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
     return metrics
+
+
+def add_eval_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True, help="drafter checkpoint folder")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        nargs="+",
+        help="JSONL prompt files (one tau per file)",
+    )
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results JSON here")
+
+
+def main_eval_drafter(args: argparse.Namespace) -> dict:
+    """tau (and length-head calibration) of a drafter on target-regenerated
+    responses to each prompt file, counted as greedy verification would."""
+    import torch
+    from adaflash_vllm.training.features import TargetModel
+
+    sets = {Path(p).stem: load_prompts(p)[: args.num_prompts] for p in args.prompts}
+    flat = [r for recs in sets.values() for r in recs]
+    seqs = regenerate_sequences(
+        Path(args.target),
+        flat,
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        seed=args.seed,
+    )
+    torch.set_num_threads(os.cpu_count() or 1)
+    tgt = TargetModel(args.target)
+    drafter = load_or_init_drafter(args.drafter, None)
+    k = drafter.block_size - 1
+    results, start = {}, 0
+    for name, recs in sets.items():
+        part = seqs[start : start + len(recs)]
+        start += len(recs)
+        res = evaluate_tau(drafter, tgt, part, k)
+        if drafter.length_head is not None:
+            res["length_head"] = evaluate_length_head(
+                drafter.length_head, drafter, tgt, part, num_drafts=k
+            )
+        results[name] = res
+    results["_meta"] = {
+        "target": args.target,
+        "drafter": args.drafter,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+    return results
