@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase
+from adaflash_vllm.config import read_speculative_config
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "examples" / "demo"
 SIZES = {  # per_phase, window, max_tokens
@@ -48,10 +51,35 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target", default=str(DEMO_DIR / "target"))
     p.add_argument("--drafter", default=str(DEMO_DIR / "drafter"))
-    p.add_argument("--adaflash-config", default=str(DEMO_DIR.parent / "adaflash.json"))
+    p.add_argument(
+        "--adaflash-config",
+        default=str(DEMO_DIR / "adaflash-demo.json"),
+        help="AdaFlash config (its online folders are redirected into "
+        "OUT/online, emptied at the start, so each run starts fresh)",
+    )
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
-    p.add_argument("--cores", default=None, help="pin every engine to these cores")
+    p.add_argument(
+        "--cores",
+        default="0" if (os.cpu_count() or 1) > 1 else None,
+        help="pin every engine to these cores (default 0: the online "
+        "trainer gets the others)",
+    )
     p.add_argument("--out", default="runs/demo")
+
+
+def fresh_online_config(config: str, out: Path) -> Path:
+    """A copy of `config` whose online buffer and versions live in OUT/online (emptied),
+    so a rerun does not resume the previous run's drafter."""
+    spec = read_speculative_config(config)
+    online_dir = out / "online"
+    shutil.rmtree(online_dir, ignore_errors=True)
+    online = spec.setdefault("adaflash", {}).setdefault("online", {})
+    online["buffer_dir"] = str((online_dir / "buffer").resolve())
+    online["versions_dir"] = str((online_dir / "versions").resolve())
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "adaflash.json"
+    path.write_text(json.dumps(spec, indent=1))
+    return path
 
 
 def run_demo(args: argparse.Namespace) -> dict:
@@ -62,7 +90,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         target=args.target,
         drafter=args.drafter,
         num_speculative_tokens=args.num_speculative_tokens,
-        adaflash_config=args.adaflash_config,
+        adaflash_config=str(fresh_online_config(args.adaflash_config, Path(args.out))),
     )
     check_paths(setup)
     tokenizer = AutoTokenizer.from_pretrained(args.target)

@@ -128,7 +128,7 @@ class AdaFlashProposer(DFlashProposer):
         if hidden is not None and num_drafts > 0:
             hidden = hidden.view(num_reqs, num_drafts, -1)
         if self.captures is not None and hidden is not None:
-            self._capture(req_ids, draft_token_ids, hidden)
+            self._capture(req_ids, draft_token_ids, hidden, kwargs)
         if self.budget_policy is not None:
             budgets = self.budget_policy.choose(
                 req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden
@@ -193,7 +193,7 @@ class AdaFlashProposer(DFlashProposer):
             if hasattr(sampler, "recording"):
                 sampler.recording = True
 
-    def _capture(self, req_ids, draft_token_ids, hidden) -> None:
+    def _capture(self, req_ids, draft_token_ids, hidden, inputs: dict) -> None:
         """Record what the drafter saw and produced (parity tests, debugging)."""
         b, k = draft_token_ids.shape
         query = slice(0, b * (k + 1), k + 1)  # the bonus slot of each request
@@ -205,6 +205,17 @@ class AdaFlashProposer(DFlashProposer):
                 "bonus_token_ids": self.input_ids[query].cpu().tolist(),
                 "draft_token_ids": draft_token_ids.cpu().tolist(),
                 "logits": logits.view(b, k, -1).float().cpu().tolist(),
+                # What the target fed the drafter this step (its aux hidden states,
+                # concatenated, for every token the target processed).
+                "context_positions": inputs["target_positions"].cpu().tolist(),
+                "context_token_ids": inputs["target_token_ids"].cpu().tolist(),
+                "context_features": inputs["target_hidden_states"]
+                .float()
+                .cpu()
+                .tolist(),
+                "context_starts": inputs["common_attn_metadata"]
+                .query_start_loc_cpu[: b + 1]
+                .tolist(),
             }
         )
 

@@ -65,6 +65,8 @@ class TinyModels:
     drafter_trained: Path
     trained_tau: float  # greedy tau of the trained drafter on PROMPTS (offline eval)
     sequences: list  # the target's greedy continuations the drafter trained on
+    random_tau: float  # the same evaluation before training (random init)
+    train_losses: list[float]
 
     def spec(
         self,
@@ -129,6 +131,7 @@ def _build_tiny_models(root: Path) -> TinyModels:
         seqs.append(Sequence(out[0].tolist(), ids.shape[1]))
     cfg = json.loads((drafter_random / "config.json").read_text())
     drafter = load_or_init_drafter(None, cfg)
+    random_tau = evaluate_tau(drafter, tgt, seqs[: len(PROMPTS)], 3)["tau"]
     trainer = OfflineTrainer(
         tgt,
         drafter,
@@ -142,10 +145,11 @@ def _build_tiny_models(root: Path) -> TinyModels:
         ),
         root / "train",
     )
-    trainer.train(seqs)
+    state = trainer.train(seqs)
     tau = evaluate_tau(drafter, tgt, seqs[: len(PROMPTS)], 3)["tau"]
     trained = trainer.save_checkpoint(root / "drafter-trained")
-    return TinyModels(root, target, drafter_random, trained, tau, seqs)
+    return TinyModels(root, target, drafter_random, trained, tau, seqs, random_tau,
+                      list(state.losses))
 
 
 def _tokenizer(target: Path):

@@ -15,34 +15,56 @@ def _trajectories(tiny) -> list[Trajectory]:
     out = []
     for i, s in enumerate(tiny.sequences[:8]):
         p = s.prompt_len
-        out.append(Trajectory(
-            request_id=f"r{i}", prompt_token_ids=s.token_ids[:p],
-            output_token_ids=s.token_ids[p:],
-            round_positions=list(range(p + 1, len(s.token_ids) - 1, 3)),
-            round_drafts=[], round_accepted=[], drafter_version=0, temperature=0.0,
-            finish_reason="length"))
+        out.append(
+            Trajectory(
+                request_id=f"r{i}",
+                prompt_token_ids=s.token_ids[:p],
+                output_token_ids=s.token_ids[p:],
+                round_positions=list(range(p + 1, len(s.token_ids) - 1, 3)),
+                round_drafts=[],
+                round_accepted=[],
+                drafter_version=0,
+                temperature=0.0,
+                finish_reason="length",
+            )
+        )
     return out
 
 
 def _cfg(root, tag: str) -> AdaFlashConfig:
-    return AdaFlashConfig(online=OnlineConfig(
-        enabled=True, buffer_dir=str(root / f"buf-{tag}"),
-        versions_dir=str(root / f"ver-{tag}"), push=False, num_anchors=0,
-        batch_size=4, epochs=1, lr=1e-3))
+    return AdaFlashConfig(
+        online=OnlineConfig(
+            enabled=True,
+            buffer_dir=str(root / f"buf-{tag}"),
+            versions_dir=str(root / f"ver-{tag}"),
+            push=False,
+            num_anchors=0,
+            batch_size=4,
+            epochs=1,
+            lr=1e-3,
+        )
+    )
 
 
 def _rank(rank, world, port, root, tag, target, drafter, trajs, out_q):
     import torch.distributed as dist
-
     from adaflash_vllm.training.online import OnlineTrainer
 
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
-    trainer = OnlineTrainer(_cfg(root, tag), target_path=target, drafter_path=drafter,
-                            num_drafts=3, device="cpu", push=False, rank=rank,
-                            world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    trainer = OnlineTrainer(
+        _cfg(root, tag),
+        target_path=target,
+        drafter_path=drafter,
+        num_drafts=3,
+        device="cpu",
+        push=False,
+        rank=rank,
+        world_size=world,
+    )
     metrics = trainer.train_round(trajs)
     path = root / f"{tag}-rank{rank}.pt"  # tensors through a queue die with the child
     torch.save(trainer.drafter.state_dict(), path)
@@ -56,10 +78,17 @@ def _run(world, tiny, tmp_path, tag):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    args = (tmp_path, tag, str(tiny.target), str(tiny.drafter_trained),
-            _trajectories(tiny), q)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, *args))
-             for r in range(world)]
+    args = (
+        tmp_path,
+        tag,
+        str(tiny.target),
+        str(tiny.drafter_trained),
+        _trajectories(tiny),
+        q,
+    )
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, *args)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = sorted(q.get(timeout=300) for _ in procs)

@@ -404,7 +404,7 @@ class OnlineTrainer:
             ratio = head_targets(logits.detach(), labels, label_valid)
             mask = (batch.anchor_valid & label_valid.any(-1)).float()
             h_loss = head_loss(self.drafter.length_head, hidden, ratio, mask)
-            loss, head_mse = loss + h_loss, float(h_loss)
+            loss, head_mse = loss + h_loss, h_loss.item()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
