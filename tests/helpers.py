@@ -148,8 +148,9 @@ def _build_tiny_models(root: Path) -> TinyModels:
     state = trainer.train(seqs)
     tau = evaluate_tau(drafter, tgt, seqs[: len(PROMPTS)], 3)["tau"]
     trained = trainer.save_checkpoint(root / "drafter-trained")
-    return TinyModels(root, target, drafter_random, trained, tau, seqs, random_tau,
-                      list(state.losses))
+    return TinyModels(
+        root, target, drafter_random, trained, tau, seqs, random_tau, list(state.losses)
+    )
 
 
 def _tokenizer(target: Path):
