@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from pathlib import Path
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase
-from adaflash_vllm.config import read_speculative_config
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "examples" / "demo"
 SIZES = {  # per_phase, window, max_tokens
@@ -67,21 +65,6 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo")
 
 
-def fresh_online_config(config: str, out: Path) -> Path:
-    """A copy of `config` whose online buffer and versions live in OUT/online (emptied),
-    so a rerun does not resume the previous run's drafter."""
-    spec = read_speculative_config(config)
-    online_dir = out / "online"
-    shutil.rmtree(online_dir, ignore_errors=True)
-    online = spec.setdefault("adaflash", {}).setdefault("online", {})
-    online["buffer_dir"] = str((online_dir / "buffer").resolve())
-    online["versions_dir"] = str((online_dir / "versions").resolve())
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "adaflash.json"
-    path.write_text(json.dumps(spec, indent=1))
-    return path
-
-
 def run_demo(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -90,7 +73,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         target=args.target,
         drafter=args.drafter,
         num_speculative_tokens=args.num_speculative_tokens,
-        adaflash_config=str(fresh_online_config(args.adaflash_config, Path(args.out))),
+        adaflash_config=args.adaflash_config,
     )
     check_paths(setup)
     tokenizer = AutoTokenizer.from_pretrained(args.target)

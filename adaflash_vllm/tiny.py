@@ -35,8 +35,11 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int):
-    """Train a byte-level BPE on a built-in corpus and save it as an HF tokenizer."""
+def build_tokenizer(
+    out_dir: Path, vocab_size: int, corpus=None, *, show_progress: bool = False
+):
+    """Train a byte-level BPE (with SPECIAL_TOKENS and CHAT_TEMPLATE) on `corpus`
+    (an iterable of texts; default: a small built-in one) and save it for HF."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,9 +50,9 @@ def build_tokenizer(out_dir: Path, vocab_size: int):
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.train_from_iterator(_CORPUS * 20 if corpus is None else corpus, trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",

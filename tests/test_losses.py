@@ -41,7 +41,7 @@ def test_clipped_entries_get_zero_gradient():
     t = torch.tensor([[-4.0, 0.0, 0.0, 0.0, 0.0]])
     q, p = s.softmax(-1), t.softmax(-1)
     f = q * (q.log() - p.log()) - q + p
-    delta = float(f[0, 0]) / 2  # entry 0 is clipped, the others are not
+    delta = f[0, 0].item() / 2  # entry 0 is clipped, the others are not
     assert (f[0, 1:] < delta).all()
     rows = opd_loss_rows_reference(s, t, alpha=0.0, delta=delta)
     rows.loss.sum().backward()

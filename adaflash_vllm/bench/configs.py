@@ -10,12 +10,20 @@ speculative config differs. Names:
     ngram             vLLM's prompt-lookup drafter
     adaflash          the adaflash.json given (its `adaflash` section as is)
     adaflash:MODE     the same with `adaflash.length.mode = MODE`
+    NAME@PATH         the adaflash.json at PATH, reported as NAME (several AdaFlash
+                      variants in one run, e.g. static@a.json,online@b.json)
+
+The drafter and K always come from the setup, so every configuration drafts with
+the same initial drafter. A configuration with `adaflash.online.enabled` gets its
+own empty buffer and versions folders inside the result folder (`with_fresh_online`),
+so no run resumes another's drafter.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,11 +79,14 @@ def _schedule(setup: BenchSetup) -> dict[str, Any]:
     }
 
 
-def _adaflash(setup: BenchSetup, mode: str | None = None) -> dict[str, Any]:
-    if setup.adaflash_config is None:
+def _adaflash(
+    setup: BenchSetup, mode: str | None = None, config: str | None = None
+) -> dict[str, Any]:
+    config = config or setup.adaflash_config
+    if config is None:
         spec = {**_dflash(setup), "adaflash": {}}
     else:
-        spec = read_speculative_config(setup.adaflash_config)
+        spec = read_speculative_config(config)
         spec.setdefault("adaflash", {})
     spec = copy.deepcopy(spec)
     spec["model"] = setup.drafter
@@ -101,6 +112,13 @@ BUILDERS: dict[str, Callable[[BenchSetup], dict[str, Any] | None]] = {
 
 def build_config(name: str, setup: BenchSetup) -> BenchConfig:
     """The configuration called `name` (see the module docstring)."""
+    if "@" in name:
+        label, _, path = name.partition("@")
+        if not label or not Path(path).is_file():
+            raise AdaFlashConfigError(
+                f"configuration {name!r}: use NAME@PATH with an existing adaflash.json"
+            )
+        return BenchConfig(name=label, speculative_config=_adaflash(setup, config=path))
     base, _, mode = name.partition(":")
     if base not in BUILDERS or (mode and base != "adaflash"):
         raise AdaFlashConfigError(
@@ -109,6 +127,23 @@ def build_config(name: str, setup: BenchSetup) -> BenchConfig:
         )
     spec = _adaflash(setup, mode) if mode else BUILDERS[base](setup)
     return BenchConfig(name=name, speculative_config=spec)
+
+
+def with_fresh_online(config: BenchConfig, folder: Path) -> BenchConfig:
+    """`config` with its online buffer and versions in `folder` (emptied first)."""
+    spec = config.speculative_config
+    online = ((spec or {}).get("adaflash") or {}).get("online") or {}
+    if not online.get("enabled"):
+        return config
+    shutil.rmtree(folder, ignore_errors=True)
+    spec = copy.deepcopy(spec)
+    spec["adaflash"]["online"]["buffer_dir"] = str((folder / "buffer").resolve())
+    spec["adaflash"]["online"]["versions_dir"] = str((folder / "versions").resolve())
+    return BenchConfig(
+        name=config.name,
+        speculative_config=spec,
+        engine_overrides=config.engine_overrides,
+    )
 
 
 def check_paths(setup: BenchSetup) -> None:

@@ -17,7 +17,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from adaflash_vllm.bench.configs import BenchConfig, BenchSetup, build_config
+from adaflash_vllm.bench.configs import (
+    BenchConfig,
+    BenchSetup,
+    build_config,
+    with_fresh_online,
+)
 from adaflash_vllm.bench.report import (
     plot_acceptance,
     plot_shift,
@@ -211,6 +216,7 @@ def run_benchmark(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     configs = [build_config(n, setup) for n in config_names]  # fail fast on names
+    configs = [with_fresh_online(c, out_dir / f"{c.name}-online") for c in configs]
     engine = engine_kwargs(workload)
     runner = run_served_config if driver == "serve" else run_offline_config
     results = []

@@ -48,8 +48,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from adaflash_vllm.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
-
 if TYPE_CHECKING:
     from transformers import (
         PreTrainedModel,
@@ -105,27 +103,11 @@ def build_tokenizer(
 
     Returns the `PreTrainedTokenizerFast`; its chat template is tiny.CHAT_TEMPLATE.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from adaflash_vllm.tiny import build_tokenizer as train_bpe
 
     records = load_jsonl(train_path)
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
-    )
     texts = (r["prompt"] + "\n" + r.get("response", "") for r in records)
-    tok.train_from_iterator(texts, trainer, length=len(records))
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=None
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(out_dir)
-    return hf_tok
+    return train_bpe(out_dir, vocab_size, texts, show_progress=True)
 
 
 def chat_prefix(tok: PreTrainedTokenizerBase, prompt: str) -> str:

@@ -16,9 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_small_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     run = subprocess.run(
-        [sys.executable, "-m", "adaflash_vllm.cli", "demo", "--size", "small",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "adaflash_vllm.cli",
+            "demo",
+            "--size",
+            "small",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(summary) == {"plain", "dflash", "adaflash"}
@@ -28,4 +40,4 @@ def test_demo_small_runs_end_to_end(tmp_path):
     assert summary["dflash"]["prose"]["tau"] > 1.5  # the drafter works in domain
     assert (out / "shift.png").stat().st_size > 5000
     assert "| adaflash | code |" in (out / "report.md").read_text()
-    assert (out / "online" / "versions" / "trainer.json").exists()  # trainer ran
+    assert (out / "adaflash-online" / "versions" / "trainer.json").exists()
