@@ -41,7 +41,7 @@ class AdmissionControl:
             new = max(new, 1)  # an idle engine always makes progress
         return min(max_active, running + new), budget
 
-    def observe_schedule(self, output, running_before: int) -> None:
+    def observe_schedule(self, output) -> None:
         self.admitted += len(output.scheduled_new_reqs)
         self.max_step_tokens = max(
             self.max_step_tokens, output.total_num_scheduled_tokens

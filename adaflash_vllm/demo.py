@@ -104,5 +104,11 @@ def run_demo(args: argparse.Namespace) -> dict:
         f"wall: {time.perf_counter() - t0:.0f} s",
         flush=True,
     )
+    for name, swaps in summary["swaps"].items():
+        print(
+            f"{name}: drafter v{swaps['final_version']} after {swaps['swaps']} "
+            "online swap(s)",
+            flush=True,
+        )
     print(json.dumps(summary["summary"]))
     return summary

@@ -140,12 +140,8 @@ def _new_stats_path() -> str:
 
 
 def _looks_like_path(model: str) -> bool:
-    return (
-        model.startswith((".", "/", "~"))
-        or os.sep in model.strip("/")
-        and model.count("/") > 1
-        or os.path.exists(model)
-    )
+    """A local path rather than a Hugging Face id (`org/name`: exactly one slash)."""
+    return model.startswith((".", "/", "~")) or model.count("/") != 1
 
 
 def check_drafter_dir(model: Any) -> None:

@@ -311,9 +311,14 @@ def spawn_trainer(cfg: AdaFlashConfig, runtime: RuntimeInfo) -> subprocess.Popen
             }
         )
     )
+    cores = cfg.online.trainer_cores
+    # Pinned from the first import: the trainer's imports alone take seconds of
+    # CPU, which must not land on the engine's cores.
+    launcher = ["adaflash_vllm.pinned", ",".join(map(str, cores))] if cores else []
     cmd = [
         sys.executable,
         "-m",
+        *launcher,
         "adaflash_vllm.cli",
         "trainer",
         "--config",
@@ -324,5 +329,8 @@ def spawn_trainer(cfg: AdaFlashConfig, runtime: RuntimeInfo) -> subprocess.Popen
     log = open(run_dir / "trainer.log", "ab")  # noqa: SIM115  (lives with the child)
     logger.info("AdaFlash: spawning trainer (%s), log %s", " ".join(cmd), log.name)
     return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )

@@ -16,7 +16,7 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    _share_vllm_log_handlers()
+    share_vllm_log_handlers()
 
     from adaflash_vllm import patches
     from adaflash_vllm.proposers.model import ADAFLASH_ARCH
@@ -28,10 +28,19 @@ def register() -> None:
     _REGISTERED = True
 
 
-def _share_vllm_log_handlers() -> None:
-    """Route `adaflash_vllm.*` logs through vLLM's handlers, format and level."""
+def share_vllm_log_handlers(*, configure: bool = False) -> None:
+    """Route `adaflash_vllm.*` logs through vLLM's handlers, format and level.
+
+    `configure=True` (our own processes, e.g. the trainer) first applies vLLM's
+    default logging configuration, which vLLM processes do themselves.
+    """
     import logging
 
+    if configure:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+
+        configure_logging_if_needed(LoggingConfig())
     vllm_logger = logging.getLogger("vllm")
     ours = logging.getLogger("adaflash_vllm")
     if ours.handlers or not vllm_logger.handlers:

@@ -75,7 +75,6 @@ class AdaFlashScheduler(Scheduler):
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         saved = (self.max_num_active_reqs, self.max_num_scheduled_tokens)
         if self.admission is not None:
-            admitted_before = len(self.running)
             self.max_num_active_reqs, self.max_num_scheduled_tokens = (
                 self.admission.limits(len(self.running), *saved)
             )
@@ -84,7 +83,7 @@ class AdaFlashScheduler(Scheduler):
         finally:
             self.max_num_active_reqs, self.max_num_scheduled_tokens = saved
         if self.admission is not None:
-            self.admission.observe_schedule(output, admitted_before)
+            self.admission.observe_schedule(output)
         if self.online is not None:
             self.online.poll()
             # Only a step that runs the model reaches the workers' swap hook.

@@ -23,7 +23,18 @@ DEMO = Path(__file__).resolve().parent / "demo"
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", choices=["plain", "dflash"], default="dflash")
+    p.add_argument(
+        "--config",
+        choices=[
+            "plain",
+            "dflash",
+            "adaflash:fixed",
+            "adaflash:paper",
+            "adaflash:cost_aware",
+        ],
+        default="dflash",
+        help="adaflash:MODE is DFlash with AdaFlash's length policy MODE (no online)",
+    )
     p.add_argument("-k", type=int, default=7)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
@@ -54,6 +65,8 @@ def main() -> None:
             "num_speculative_tokens": args.k,
         }
     )
+    if args.config.startswith("adaflash:"):
+        spec["adaflash"] = {"length": {"mode": args.config.split(":")[1]}}
     llm = LLM(
         model=target,
         dtype="float32",

@@ -133,3 +133,31 @@ def test_restart_resumes_from_newest_good(tmp_path):
     ctl = _controller(tmp_path)
     order = ctl.take_order()
     assert order.version == 1 and order.reason == "resume"
+
+
+def test_pinned_launcher_pins_before_the_module_runs(tmp_path):
+    """The spawned trainer runs on its own cores from its first import on."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "show_cores.py").write_text(
+        "import os, sys\nprint(sorted(os.sched_getaffinity(0)), sys.argv[1:])\n"
+    )
+    core = min(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "adaflash_vllm.pinned",
+            str(core),
+            "show_cores",
+            "--x",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    ).stdout
+    assert out.strip() == f"[{core}] ['--x', '1']"

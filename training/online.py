@@ -40,6 +40,7 @@ from adaflash_vllm.training.drafter import DFlashDrafter
 from adaflash_vllm.training.features import TargetModel
 from adaflash_vllm.training.head import head_loss, head_targets
 from adaflash_vllm.training.losses import position_decay_weights
+from vllm.logger import init_logger
 
 from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
 from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
@@ -50,6 +51,8 @@ from adaflash_vllm.versions import (
     publish_version,
     rejected_versions,
 )
+
+logger = init_logger(__name__)
 
 HEARTBEAT = "trainer.json"
 HEAD_LR = 2e-4  # the AdaFlash paper's head learning rate
@@ -481,18 +484,13 @@ class OnlineTrainer:
             self.push_server.offer(version, state)
         self._save_state()
         self.history.append({"version": version, **asdict(metrics)})
-        print(
-            json.dumps(
-                {
-                    "event": "published",
-                    "version": version,
-                    **{
-                        k: round(v, 5) if isinstance(v, float) else v
-                        for k, v in asdict(metrics).items()
-                    },
-                }
-            ),
-            flush=True,
+        _event(
+            "published",
+            version=version,
+            **{
+                k: round(v, 5) if isinstance(v, float) else v
+                for k, v in asdict(metrics).items()
+            },
         )
         return version
 
@@ -510,15 +508,8 @@ class OnlineTrainer:
             self.drafter.load_state_dict(drafter.state_dict())
             self.version = version
             self.optimizer = self._make_optimizer()
-            print(
-                json.dumps(
-                    {
-                        "event": "rollback_followed",
-                        "version": version,
-                        "good": good.version if good else 0,
-                    }
-                ),
-                flush=True,
+            _event(
+                "rollback_followed", version=version, good=good.version if good else 0
             )
 
     def close(self) -> None:
@@ -546,6 +537,9 @@ def add_trainer_args(p) -> None:
 def main_trainer(args) -> None:
     from adaflash_vllm.config import read_speculative_config, split_adaflash_section
     from adaflash_vllm.engine_setup import resolve_online_paths
+    from adaflash_vllm.plugin import share_vllm_log_handlers
+
+    share_vllm_log_handlers(configure=True)
 
     spec, cfg = split_adaflash_section(read_speculative_config(args.config))
     if cfg is None or not cfg.online.enabled:
@@ -561,17 +555,12 @@ def main_trainer(args) -> None:
         or (online.trainer_device == "auto" and torch.cuda.is_available())
         else "cpu"
     )
-    print(
-        json.dumps(
-            {
-                "event": "start",
-                "config": str(args.config),
-                "device": device,
-                "online": {k: getattr(online, k) for k in online.__struct_fields__},
-                "git": _git_sha(),
-            }
-        ),
-        flush=True,
+    _event(
+        "start",
+        config=str(args.config),
+        device=device,
+        online={k: getattr(online, k) for k in online.__struct_fields__},
+        git=_git_sha(),
     )
     job = {
         "cfg": cfg,
@@ -599,6 +588,9 @@ def main_trainer(args) -> None:
 def run_rank(rank: int, world_size: int, port: int | None, job: dict) -> None:
     """One trainer rank: pin cores, join the trainers' own process group (not the
     engine's), train until stopped."""
+    from adaflash_vllm.plugin import share_vllm_log_handlers
+
+    share_vllm_log_handlers(configure=True)  # trainer events in vLLM's log format
     cfg, device = job["cfg"], job["device"]
     cores = cfg.online.trainer_cores
     if cores:
@@ -632,6 +624,11 @@ def run_rank(rank: int, world_size: int, port: int | None, job: dict) -> None:
         pass
     finally:
         trainer.close()
+
+
+def _event(name: str, **fields) -> None:
+    """One JSON line per trainer event in the log (machine-readable)."""
+    logger.info("%s", json.dumps({"event": name, **fields}))
 
 
 def _git_sha() -> str:

@@ -19,7 +19,6 @@ from pathlib import Path
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import rebuild_report, run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase
-from adaflash_vllm.errors import AdaFlashConfigError
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
@@ -109,8 +108,6 @@ def run_bench(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     workload = build_workload(args, tokenizer)
     driver = args.driver or ("serve" if args.workload == "sweep" else "offline")
-    if driver == "serve" and args.workload == "shift":
-        raise AdaFlashConfigError("the shift workload runs offline (--driver offline)")
     command = "adaflash bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     summary = run_benchmark(
         setup=setup,

@@ -28,6 +28,7 @@ from adaflash_vllm.bench.report import (
     plot_shift,
     plot_sweep,
     shift_table,
+    swap_summary,
     sweep_table,
 )
 from adaflash_vllm.bench.results import load_results, new_result, save_result
@@ -102,13 +103,14 @@ def run_offline_config(
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
-            stderr=log,
+            stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, **engine_env(cores)},
         )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("["):
+        for line in proc.stdout:  # everything to the log, progress to the console
+            log.write(line)
+            if line.startswith(f"[{config.name}]"):
                 print("  " + line.rstrip(), flush=True)
         proc.wait()
     job_path.unlink(missing_ok=True)
@@ -144,7 +146,7 @@ def run_served_config(
     repeats: int,
     engine: dict[str, Any],
 ) -> dict:
-    from adaflash_vllm.bench.online import run_sweep_served
+    from adaflash_vllm.bench.online import run_shift_served, run_sweep_served
     from adaflash_vllm.serve_process import ServeProcess, ServerStartError
 
     result = new_result(
@@ -177,16 +179,23 @@ def run_served_config(
     server.args = pinned(server.args, cores)
     try:
         server.start()
-        run_sweep_served(
-            server,
-            setup.target,
-            workload_json(workload),
-            result,
-            lambda: save_result(result, out),
-            lambda m: print(f"  [{config.name}] {m}", flush=True),
-            repeats=repeats,
-            requests_per_level=lambda c: max(8, 2 * c),
-        )
+        save = lambda: save_result(result, out)  # noqa: E731
+        progress = lambda m: print(f"  [{config.name}] {m}", flush=True)  # noqa: E731
+        if workload.kind == "shift":
+            run_shift_served(
+                server, setup.target, workload_json(workload), result, save, progress
+            )
+        else:
+            run_sweep_served(
+                server,
+                setup.target,
+                workload_json(workload),
+                result,
+                save,
+                progress,
+                repeats=repeats,
+                requests_per_level=lambda c: max(8, 2 * c),
+            )
         result["status"] = "ok"
     except (ServerStartError, OSError) as e:
         result["status"], result["error"] = "failed", str(e).splitlines()[0]
@@ -268,7 +277,8 @@ def write_report(
     )
     full = {
         "kind": kind,
-        "summary": summary,
+        "summary": summary,  # {config: {phase or C: metrics}}
+        "swaps": swap_summary(results) if kind == "shift" else {},
         "report": str(out_dir / "report.md"),
         "plots": [str(p) for p in plots],
         "failed": [r["config"]["name"] for r in results if r.get("status") != "ok"],

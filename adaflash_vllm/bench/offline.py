@@ -32,6 +32,10 @@ COUNTERS = {
     "verified": "vllm:adaflash_verified_tokens",
     "ada_accepted": "vllm:adaflash_accepted_tokens",
 }
+GAUGES = {  # AdaFlash online state, exported as gauges (absent without online)
+    "drafter_version": "vllm:adaflash_drafter_version",
+    "swaps_total": "vllm:adaflash_swaps_total",
+}
 VECTORS = {
     "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
     "ada_drafted_per_pos": "vllm:adaflash_drafted_tokens_per_pos",
@@ -43,7 +47,7 @@ def read_counters(llm) -> dict[str, Any]:
     """Spec-decode and AdaFlash counters from the engine (cumulative)."""
     found: dict[str, Any] = {k: 0 for k in COUNTERS}
     found.update({k: [] for k in VECTORS})
-    by_name = {v: k for k, v in COUNTERS.items()}
+    by_name = {v: k for k, v in (COUNTERS | GAUGES).items()}
     vec_by_name = {v: k for k, v in VECTORS.items()}
     for m in llm.get_metrics():
         if m.name in by_name and hasattr(m, "value"):
@@ -67,6 +71,16 @@ def counter_delta(before: dict, after: dict) -> dict[str, Any]:
         else:
             delta[k] = v - before.get(k, 0)
     return delta
+
+
+def swap_extra(before: dict, after: dict) -> dict[str, Any]:
+    """The drafter version at the end of a window and the swaps during it."""
+    if "drafter_version" not in after:
+        return {}
+    return {
+        "drafter_version": int(after["drafter_version"]),
+        "swaps": int(after.get("swaps_total", 0) - before.get("swaps_total", 0)),
+    }
 
 
 def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +136,8 @@ def run_shift(
             chunk = prompts[start : start + window]
             before = read_counters(llm)
             outs, wall = timed_generate(llm, chunk, params)
-            summary = spec_summary(counter_delta(before, read_counters(llm)))
+            after = read_counters(llm)
+            summary = spec_summary(counter_delta(before, after))
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             add_point(
                 result,
@@ -134,15 +149,20 @@ def run_shift(
                     wall_s=wall,
                     tok_s=tokens / wall,
                     tok_s_runs=[tokens / wall],
+                    extra=swap_extra(before, after),
                     **summary,
                 ),
             )
             save()
-            progress(
-                f"window {key} [{phase['name']}] {tokens / wall:7.1f} tok/s "
-                f"tau {summary['tau']:.2f}"
-            )
+            progress(window_line(key, phase["name"], tokens / wall, summary, after))
             key += 1
+
+
+def window_line(key: int, phase: str, tok_s: float, summary: dict, after: dict) -> str:
+    line = f"window {key} [{phase}] {tok_s:7.1f} tok/s tau {summary['tau']:.2f}"
+    if "drafter_version" in after:
+        line += f" drafter v{int(after['drafter_version'])}"
+    return line
 
 
 def run_sweep_offline(

@@ -1,6 +1,7 @@
 """Server benchmark runner: one configuration behind a real `vllm serve`, driven by an
-async HTTP client at each concurrency of the sweep (streamed completions, so TTFT,
-TPOT and inter-token gaps are measured as a user sees them).
+async HTTP client at each concurrency of the sweep or window of the shift stream
+(streamed completions, so TTFT, TPOT and inter-token gaps are measured as a user
+sees them).
 
 tau, verify length and per-position acceptance come from /metrics deltas.
 """
@@ -24,6 +25,10 @@ _COUNTERS = {
     "verified": "vllm:adaflash_verified_tokens_total",
     "ada_accepted": "vllm:adaflash_accepted_tokens_total",
 }
+_GAUGES = {
+    "drafter_version": "vllm:adaflash_drafter_version",
+    "swaps_total": "vllm:adaflash_swaps_total",
+}
 
 
 def _per_pos(values: dict[str, float], name: str) -> list[float]:
@@ -38,6 +43,9 @@ def _per_pos(values: dict[str, float], name: str) -> list[float]:
 def scrape(server: ServeProcess) -> dict[str, Any]:
     values = parse_prometheus(server.metrics_text())
     out: dict[str, Any] = {k: metric_sum(values, n) for k, n in _COUNTERS.items()}
+    for key, name in _GAUGES.items():  # only where the engine exports them
+        if any(k == name or k.startswith(name + "{") for k in values):
+            out[key] = metric_sum(values, name)
     out["accepted_per_pos"] = _per_pos(
         values, "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     )
@@ -165,8 +173,6 @@ def run_sweep_served(
             )
             summary = spec_summary(counter_delta(before, scrape(server)))
             runs.append(sum(r.get("tokens", 0) for r in reqs) / wall)
-        ok = [r for r in reqs if r["ok"]]
-        gaps = [g for r in ok for g in r["gaps"]]
         runs.sort()
         add_point(
             result,
@@ -174,14 +180,9 @@ def run_sweep_served(
                 key=c,
                 phase=workload["phases"][0]["name"],
                 requests=len(batch),
-                output_tokens=sum(r.get("tokens", 0) for r in ok),
-                wall_s=sum(r.get("tokens", 0) for r in ok) / max(median(runs), 1e-9),
                 tok_s=median(runs),
                 tok_s_runs=runs,
-                ttft_ms_p50=1e3 * median([r["ttft"] for r in ok]) if ok else None,
-                tpot_ms_p50=1e3 * median([r["tpot"] for r in ok]) if ok else None,
-                itl_ms_p99=1e3 * percentile(gaps, 99) if gaps else None,
-                failed_requests=len(reqs) - len(ok),
+                **_latency_fields(reqs, median(runs)),
                 **summary,
             ),
         )
@@ -190,3 +191,75 @@ def run_sweep_served(
             f"C={c:3d} {median(runs):8.1f} tok/s tau {summary['tau']:.2f} "
             f"verify {summary['verify_len']:.2f}"
         )
+
+
+def _latency_fields(reqs: list[dict], tok_s: float) -> dict[str, Any]:
+    ok = [r for r in reqs if r["ok"]]
+    gaps = [g for r in ok for g in r["gaps"]]
+    tokens = sum(r.get("tokens", 0) for r in ok)
+    return {
+        "output_tokens": tokens,
+        "wall_s": tokens / max(tok_s, 1e-9),
+        "ttft_ms_p50": 1e3 * median([r["ttft"] for r in ok]) if ok else None,
+        "tpot_ms_p50": 1e3 * median([r["tpot"] for r in ok]) if ok else None,
+        "itl_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
+        "failed_requests": len(reqs) - len(ok),
+    }
+
+
+def run_shift_served(
+    server: ServeProcess,
+    model: str,
+    workload: dict,
+    result: dict,
+    save: Callable[[], None],
+    progress: Callable[[str], None],
+) -> None:
+    """The shift stream through HTTP: each window's requests `window` at a time.
+
+    Each point also records the drafter version at the window's end and the
+    swaps during it, so ITL in windows with a swap can be compared with the rest.
+    """
+    from adaflash_vllm.bench.offline import (
+        counter_delta,
+        spec_summary,
+        swap_extra,
+        window_line,
+    )
+
+    window = workload["window"]
+    key = 0
+    for phase in workload["phases"]:
+        prompts = phase["prompts"]
+        for start in range(0, len(prompts), window):
+            chunk = prompts[start : start + window]
+            before = scrape(server)
+            reqs, wall = asyncio.run(
+                drive(
+                    server.url,
+                    model,
+                    chunk,
+                    concurrency=window,
+                    max_tokens=workload["max_tokens"],
+                    temperature=workload["temperature"],
+                )
+            )
+            after = scrape(server)
+            summary = spec_summary(counter_delta(before, after))
+            tok_s = sum(r.get("tokens", 0) for r in reqs if r["ok"]) / wall
+            add_point(
+                result,
+                Point(
+                    key=key,
+                    phase=phase["name"],
+                    requests=len(chunk),
+                    tok_s=tok_s,
+                    tok_s_runs=[tok_s],
+                    extra=swap_extra(before, after),
+                    **_latency_fields(reqs, tok_s),
+                    **summary,
+                ),
+            )
+            save()
+            progress(window_line(key, phase["name"], tok_s, summary, after))
+            key += 1

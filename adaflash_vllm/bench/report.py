@@ -16,50 +16,128 @@ def _points(result: dict) -> list[dict]:
 
 
 def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
-    """Per phase of a shift stream: tok/s over the phase, mean tau, verify length."""
-    acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    order: list[str] = []
+    """Per phase of a shift stream: tok/s over the phase, mean tau, verify length,
+    tau over the phase's last quarter (after adaptation), and requests until tau
+    first reaches 95% of that plateau (3-window running mean)."""
+    by_phase: dict[str, list[dict]] = defaultdict(list)
     for p in _points(result):
-        a = acc[p["phase"]]
-        if p["phase"] not in order:
-            order.append(p["phase"])
-        a["tokens"] += p["output_tokens"]
-        a["wall"] += p["wall_s"]
-        a["rounds"] += p.get("rounds") or 0
-        a["tau_x_rounds"] += (p.get("tau") or 1.0) * (p.get("rounds") or 0)
-        a["verify_x_rounds"] += (p.get("verify_len") or 1.0) * (p.get("rounds") or 0)
-    out = {}
-    for name in order:
-        a = acc[name]
-        rounds = a["rounds"]
-        out[name] = {
-            "tok_s": a["tokens"] / a["wall"] if a["wall"] else 0.0,
-            "tau": a["tau_x_rounds"] / rounds if rounds else 1.0,
-            "verify_len": a["verify_x_rounds"] / rounds if rounds else 1.0,
-        }
-    return out
+        by_phase[p["phase"]].append(p)
+    return {name: _rollup(pts) for name, pts in by_phase.items()}
+
+
+def _weighted_tau(pts: list[dict], field: str = "tau") -> float:
+    rounds = sum(p.get("rounds") or 0 for p in pts)
+    if not rounds:
+        return 1.0
+    return sum((p.get(field) or 1.0) * (p.get("rounds") or 0) for p in pts) / rounds
+
+
+def _rollup(pts: list[dict]) -> dict[str, float]:
+    wall = sum(p["wall_s"] for p in pts)
+    tail = pts[len(pts) - max(1, len(pts) // 4) :]
+    plateau = _weighted_tau(tail)
+    adapt = None
+    served = 0
+    for i, p in enumerate(pts):
+        served += p["requests"]
+        recent = pts[max(0, i - 2) : i + 1]
+        if adapt is None and _weighted_tau(recent) >= 0.95 * plateau:
+            adapt = served
+    return {
+        "tok_s": sum(p["output_tokens"] for p in pts) / wall if wall else 0.0,
+        "tau": _weighted_tau(pts),
+        "verify_len": _weighted_tau(pts, "verify_len"),
+        "tau_last_quarter": plateau,
+        "requests_to_95pct_plateau": adapt,
+        "requests": sum(p["requests"] for p in pts),
+        "failed_requests": sum(p.get("failed_requests") or 0 for p in pts),
+    }
+
+
+def swap_summary(results: list[dict]) -> dict[str, dict[str, Any]]:
+    """`swap_rollup` of every config that has a drafter version (online runs)."""
+    found = {r["config"]["name"]: swap_rollup(r) for r in results}
+    return {name: v for name, v in found.items() if v}
+
+
+def swap_rollup(result: dict) -> dict[str, Any] | None:
+    """Online runs: versions reached, swaps, and latency in windows with a swap vs
+    windows without one (p99 inter-token gap; served runs only)."""
+    pts = [p for p in _points(result) if "drafter_version" in (p.get("extra") or {})]
+    if not pts:
+        return None
+    with_swap = [p for p in pts if p["extra"].get("swaps")]
+    without = [p for p in pts if not p["extra"].get("swaps")]
+
+    def mean_itl(group: list[dict]) -> float | None:
+        vals = [p["itl_ms_p99"] for p in group if p.get("itl_ms_p99") is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    itl_swap, itl_none = mean_itl(with_swap), mean_itl(without)
+    return {
+        "final_version": pts[-1]["extra"]["drafter_version"],
+        "swaps": sum(p["extra"].get("swaps", 0) for p in pts),
+        "windows_with_swap": len(with_swap),
+        "itl_p99_ms_swap_windows": itl_swap,
+        "itl_p99_ms_other_windows": itl_none,
+        "itl_p99_ratio": itl_swap / itl_none if itl_swap and itl_none else None,
+    }
 
 
 def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
+    """Per config and phase; ratios against `plain` and, when the run has one,
+    against the config named `static` (the same drafter without online updates)."""
     base = next((r for r in results if r["config"]["name"] == "plain"), None)
+    static = next((r for r in results if r["config"]["name"] == "static"), None)
     base_roll = phase_rollup(base) if base else {}
+    static_roll = phase_rollup(static) if static else {}
     lines = [
-        "| config | phase | tok/s | speedup vs plain | tau | verify len |",
-        "|---|---|---:|---:|---:|---:|",
+        "| config | phase | requests | tok/s | speedup vs plain | vs static | tau | "
+        "tau last quarter | vs static | verify len | requests to 95% plateau | "
+        "failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary: dict[str, Any] = {}
     for r in results:
         name = r["config"]["name"]
         for phase, v in phase_rollup(r).items():
             ref = base_roll.get(phase, {}).get("tok_s")
-            speedup = v["tok_s"] / ref if ref else None
+            st = static_roll.get(phase, {})
+            row = {
+                **v,
+                "speedup": v["tok_s"] / ref if ref else None,
+                "tok_s_vs_static": v["tok_s"] / st["tok_s"] if st else None,
+                "tau_last_quarter_vs_static": (
+                    v["tau_last_quarter"] / st["tau_last_quarter"] if st else None
+                ),
+            }
             lines.append(
-                f"| {name} | {phase} | {v['tok_s']:.1f} | "
-                f"{_fmt(speedup, 'x')} | {v['tau']:.2f} | {v['verify_len']:.2f} |"
+                f"| {name} | {phase} | {v['requests']} | {v['tok_s']:.1f} | "
+                f"{_fmt(row['speedup'], 'x')} | {_fmt(row['tok_s_vs_static'], 'x')} | "
+                f"{v['tau']:.2f} | {v['tau_last_quarter']:.2f} | "
+                f"{_fmt(row['tau_last_quarter_vs_static'], 'x')} | "
+                f"{v['verify_len']:.2f} | {v['requests_to_95pct_plateau']} | "
+                f"{v['failed_requests']} |"
             )
-            summary.setdefault(name, {})[phase] = {**v, "speedup": speedup}
+            summary.setdefault(name, {})[phase] = row
         if r.get("status") != "ok":
-            lines.append(f"| {name} | (failed: {r.get('error')}) | | | | |")
+            lines.append(f"| {name} | (failed: {r.get('error')}) |" + " |" * 10)
+    swaps = swap_summary(results)
+    if swaps:
+        lines += [
+            "",
+            "| config | final drafter version | swaps | windows with a swap | "
+            "ITL p99 ms, swap windows | ITL p99 ms, other windows | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, v in swaps.items():
+            lines.append(
+                f"| {name} | {v['final_version']} | {v['swaps']} | "
+                f"{v['windows_with_swap']} | "
+                f"{_fmt(v['itl_p99_ms_swap_windows'], '', 1)} | "
+                f"{_fmt(v['itl_p99_ms_other_windows'], '', 1)} | "
+                f"{_fmt(v['itl_p99_ratio'], 'x')} |"
+            )
     return "\n".join(lines), summary
 
 
@@ -120,9 +198,24 @@ def plot_shift(results: list[dict], path: Path, title: str = "") -> Path:
             ms=3,
             label=r["config"]["name"],
         )
-        ax_tps.plot(
+        (line,) = ax_tps.plot(
             x, [p["tok_s"] for p in pts], marker="o", ms=3, label=r["config"]["name"]
         )
+        swaps = [
+            xi
+            for xi, p in zip(x, pts, strict=True)
+            if (p.get("extra") or {}).get("swaps")
+        ]
+        if swaps:  # online runs: where a new drafter version went live
+            ax_tau.plot(
+                swaps,
+                [ax_tau.get_ylim()[0]] * len(swaps),
+                "^",
+                color=line.get_color(),
+                ms=6,
+                clip_on=False,
+                label=f"{r['config']['name']}: drafter swap",
+            )
     ax_tau.set_ylabel("tau (tokens per target step)")
     ax_tps.set_ylabel("output tokens / s")
     ax_tps.set_xlabel("requests served")

@@ -101,6 +101,35 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     assert set(summary["summary"]["dflash"]) == {"1", "4"}
 
 
+def test_shift_stream_served_records_drafter_versions(
+    tiny, tokenizer, prompt_file, tmp_path
+):
+    """The shift stream through `vllm serve`: per-window latency, and for an online
+    AdaFlash config the drafter version and swaps of every window."""
+    logonly = tmp_path / "logonly.json"
+    logonly.write_text(
+        json.dumps({"adaflash": {"online": {"enabled": True, "spawn_trainer": False}}})
+    )
+    phases = [load_phase(str(prompt_file), tokenizer, count=4)]
+    workload = Workload("shift", phases, window=2, max_tokens=12)
+    names = ["plain", f"static@{logonly}"]
+    summary = run_benchmark(
+        setup=_setup(tiny),
+        config_names=names,
+        workload=workload,
+        out_dir=tmp_path / "out",
+        driver="serve",
+        command="test",
+    )
+    _check_outputs(tmp_path / "out", ["plain", "static"], "shift")
+    points = json.loads((tmp_path / "out" / "static.json").read_text())["points"]
+    assert len(points) == 2 and all(p["itl_ms_p99"] > 0 for p in points)
+    assert [p["extra"] for p in points] == [{"drafter_version": 0, "swaps": 0}] * 2
+    assert summary["swaps"]["static"]["final_version"] == 0
+    assert summary["summary"]["static"]["prompts"]["failed_requests"] == 0
+    assert summary["summary"]["static"]["prompts"]["tok_s_vs_static"] == 1.0
+
+
 def test_unknown_config_and_missing_prompts(tiny, tokenizer, tmp_path):
     with pytest.raises(AdaFlashConfigError, match="unknown benchmark configuration"):
         build_config("eagle9", _setup(tiny))

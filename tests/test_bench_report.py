@@ -1,0 +1,63 @@
+"""Shift-stream rollups without an engine: per-phase plateau and time to adapt,
+ratios against `static`, and latency in windows with a drafter swap."""
+
+from adaflash_vllm.bench.report import phase_rollup, shift_table, swap_rollup
+
+
+def _pt(phase, tau, *, swaps=None, itl=None, rounds=10, version=0):
+    p = {
+        "phase": phase,
+        "requests": 4,
+        "output_tokens": 40,
+        "wall_s": 1.0,
+        "tok_s": 40.0,
+        "tau": tau,
+        "verify_len": 4.0,
+        "rounds": rounds,
+        "itl_ms_p99": itl,
+    }
+    if swaps is not None:
+        p["extra"] = {"drafter_version": version, "swaps": swaps}
+    return p
+
+
+def _result(name, points):
+    return {"config": {"name": name}, "status": "ok", "points": points}
+
+
+def test_plateau_and_requests_to_adapt():
+    taus = [1.0, 1.2, 1.6, 2.0, 2.0, 2.0, 2.0, 2.0]
+    roll = phase_rollup(_result("online", [_pt("math", t) for t in taus]))["math"]
+    assert roll["tau_last_quarter"] == 2.0
+    # 3-window running means: ..., (1.6+2+2)/3 = 1.87 < 1.9, then 2.0 at window 6
+    assert roll["requests_to_95pct_plateau"] == 6 * 4
+    assert roll["requests"] == 32 and roll["tok_s"] == 40.0
+
+
+def test_tau_is_weighted_by_rounds():
+    pts = [_pt("a", 3.0, rounds=30), _pt("a", 1.0, rounds=10)]
+    assert phase_rollup(_result("x", pts))["a"]["tau"] == 2.5
+
+
+def test_swap_windows_latency_ratio():
+    pts = [
+        _pt("a", 2.0, swaps=0, itl=10.0),
+        _pt("a", 2.0, swaps=1, itl=13.0, version=1),
+        _pt("a", 2.0, swaps=0, itl=12.0, version=1),
+        _pt("a", 2.0, swaps=2, itl=15.0, version=3),
+    ]
+    s = swap_rollup(_result("online", pts))
+    assert s["final_version"] == 3 and s["swaps"] == 3 and s["windows_with_swap"] == 2
+    assert s["itl_p99_ms_swap_windows"] == 14.0
+    assert s["itl_p99_ms_other_windows"] == 11.0
+    assert abs(s["itl_p99_ratio"] - 14.0 / 11.0) < 1e-12
+    assert swap_rollup(_result("plain", [_pt("a", 1.0)])) is None
+
+
+def test_shift_table_ratios_against_static():
+    static = _result("static", [_pt("math", 1.5) for _ in range(4)])
+    online = _result("online", [_pt("math", 1.5)] * 2 + [_pt("math", 1.8)] * 2)
+    table, summary = shift_table([static, online])
+    assert summary["online"]["math"]["tau_last_quarter_vs_static"] == 1.8 / 1.5
+    assert summary["static"]["math"]["tok_s_vs_static"] == 1.0
+    assert "| online | math | 16 |" in table
