@@ -11,9 +11,11 @@ worker answers through the `ModelRunnerOutput`).
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,13 +49,41 @@ class SwapOrder:
 
 
 @dataclass
-class VersionTau:
+class RoundWindow:
+    """Tokens per round (accepted + bonus) of one drafter version: its lifetime
+    round count and its most recent `size` rounds (mean and variance of those)."""
+
+    size: int
     rounds: int = 0
-    tokens: int = 0  # accepted + bonus
+    recent: deque = field(default_factory=deque)
+
+    def add(self, tokens: int) -> None:
+        self.rounds += 1
+        self.recent.append(tokens)
+        if len(self.recent) > self.size:
+            self.recent.popleft()
 
     @property
     def tau(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
+        return statistics.fmean(self.recent) if self.recent else 0.0
+
+    @property
+    def var(self) -> float:
+        return statistics.pvariance(self.recent) if len(self.recent) > 1 else 0.0
+
+
+def regressed(
+    base: RoundWindow, cur: RoundWindow, margin: float, z: float = 2.0
+) -> bool:
+    """True when `cur` accepts less than `base` by more than `margin` (relative)
+    and the gap is beyond noise: more than `z` standard errors of the difference
+    of the two window means. Per-round acceptance is noisy (prompts differ a lot),
+    so a margin alone would roll back good versions on unlucky windows."""
+    if not base.recent or not cur.recent:
+        return False
+    gap = base.tau - cur.tau
+    se = (base.var / len(base.recent) + cur.var / len(cur.recent)) ** 0.5
+    return cur.tau < base.tau * (1 - margin) and gap > z * se
 
 
 @dataclass
@@ -82,7 +112,11 @@ class OnlineController:
             self.pending = SwapOrder(good.version, str(good.path), None, "resume")
         self.in_flight: SwapOrder | None = None
         self._last_poll = 0.0
-        self.tau_by_version: dict[int, VersionTau] = {}
+        # The live version's rounds, and the previous live version's most recent
+        # window at the moment of the swap: the gate compares the two, so the
+        # baseline is the traffic just before the swap, not the version's lifetime.
+        self.live_rounds = RoundWindow(max(1, self.cfg.gate_window))
+        self.gate_baseline: RoundWindow | None = None
         self._gauges: dict[str, float] = {}
         self._gauges_at = 0.0
         self._metrics_version = -1
@@ -184,11 +218,14 @@ class OnlineController:
             return
         self.counters.last_swap_stall_ms = 1e3 * result.get("stall_s", 0.0)
         if result.get("ok"):
-            if order.reason != "rollback":
+            if order.reason == "rollback":
+                self.gate_baseline = None  # back to a version already judged
+            else:
                 self.previous_good = self.version
+                self.gate_baseline = self.live_rounds
             self.version = order.version
             self.counters.swaps += 1
-            self.tau_by_version[order.version] = VersionTau()
+            self.live_rounds = RoundWindow(max(1, self.cfg.gate_window))
             logger.info(
                 "AdaFlash: drafter version %d live (%s, %.1f ms)",
                 order.version,
@@ -212,25 +249,26 @@ class OnlineController:
 
     # ------------------------------------------------------ regression gate
     def observe_round(self, num_accepted: int) -> None:
-        vt = self.tau_by_version.setdefault(self.version, VersionTau())
-        vt.rounds += 1
-        vt.tokens += num_accepted + 1
-        if self.cfg.gate_window and vt.rounds == self.cfg.gate_window:
+        self.live_rounds.add(num_accepted + 1)
+        if self.cfg.gate_window and self.live_rounds.rounds == self.cfg.gate_window:
             self._gate()
 
     def _gate(self) -> None:
-        """Roll back when the live version's tau lost more than `gate_margin` against
-        the previous version's (both over `gate_window` rounds)."""
-        prev = self.tau_by_version.get(self.previous_good)
-        if self.version == 0 or prev is None or prev.rounds < self.cfg.gate_window:
+        """Roll back when the live version's first `gate_window` rounds accept less
+        than the previous version's last `gate_window` rounds before the swap, by
+        more than `gate_margin` and beyond noise (`regressed`)."""
+        base, cur = self.gate_baseline, self.live_rounds
+        # A baseline needs enough rounds to mean something (half a window).
+        too_short = base is None or 2 * len(base.recent) < self.cfg.gate_window
+        if self.version == 0 or too_short:
             return
-        cur = self.tau_by_version[self.version]
-        if cur.tau >= prev.tau * (1 - self.cfg.gate_margin):
+        if not regressed(base, cur, self.cfg.gate_margin):
             return
         bad = self.version
         reason = (
-            f"live tau {cur.tau:.3f} < {prev.tau:.3f} of version "
-            f"{self.previous_good} by more than {self.cfg.gate_margin:.0%}"
+            f"live tau {cur.tau:.3f} < {base.tau:.3f} of version "
+            f"{self.previous_good} before the swap, by more than "
+            f"{self.cfg.gate_margin:.0%} and beyond noise"
         )
         mark_rejected(self.cfg.versions_dir, bad, f"rolled back: {reason}")
         self.counters.rollbacks += 1

@@ -61,3 +61,20 @@ def test_shift_table_ratios_against_static():
     assert summary["online"]["math"]["tau_last_quarter_vs_static"] == 1.8 / 1.5
     assert summary["static"]["math"]["tok_s_vs_static"] == 1.0
     assert "| online | math | 16 |" in table
+
+
+def test_shift_windows_cover_every_prompt_in_order():
+    from adaflash_vllm.bench.offline import shift_windows
+
+    workload = {
+        "window": 3,
+        "phases": [
+            {"name": "a", "prompts": ["a0", "a1", "a2", "a3"]},
+            {"name": "b", "prompts": ["b0", "b1"]},
+        ],
+    }
+    assert list(shift_windows(workload)) == [
+        (0, "a", ["a0", "a1", "a2"]),
+        (1, "a", ["a3"]),
+        (2, "b", ["b0", "b1"]),
+    ]

@@ -124,6 +124,38 @@ def test_no_rollback_within_margin(tmp_path):
     assert ctl.pending is None and ctl.counters.rollbacks == 0
 
 
+def test_gate_baseline_is_the_traffic_just_before_the_swap(tmp_path):
+    """Traffic turned harder while v1 was live (e.g. prose -> math): v2 matches what
+    v1 did on that traffic, so it stays, though v1's lifetime tau was far higher."""
+    ctl = _controller(tmp_path, gate_window=100, gate_margin=0.05)
+    _publish(tmp_path, 1)
+    _swap(ctl)
+    for _ in range(300):
+        ctl.observe_round(2)  # easy traffic: tau 3.0
+    for _ in range(100):
+        ctl.observe_round(0)  # hard traffic: tau 1.0
+    _publish(tmp_path, 2)
+    _swap(ctl)
+    for _ in range(100):
+        ctl.observe_round(0)
+    assert ctl.pending is None and ctl.counters.rollbacks == 0
+
+
+def test_gate_ignores_a_gap_within_noise(tmp_path):
+    """A 16% lower mean over 40 very noisy rounds (gap 0.7, 2 standard errors 1.5)
+    is not evidence of a regression."""
+    ctl = _controller(tmp_path, gate_window=40, gate_margin=0.05)
+    _publish(tmp_path, 1)
+    _swap(ctl)
+    for i in range(40):
+        ctl.observe_round(7 if i % 2 else 0)  # tau 4.5, sd 3.5
+    _publish(tmp_path, 2)
+    _swap(ctl)
+    for i in range(40):
+        ctl.observe_round(7 if i % 5 in (1, 3) else 0)  # tau 3.8: 16% lower
+    assert ctl.pending is None and ctl.counters.rollbacks == 0
+
+
 def test_restart_resumes_from_newest_good(tmp_path):
     _publish(tmp_path, 1)
     _publish(tmp_path, 2)

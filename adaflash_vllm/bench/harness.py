@@ -267,6 +267,7 @@ def write_report(
         f"{(first.get('machine') or {}).get('vllm')} | torch "
         f"{(first.get('machine') or {}).get('torch')}",
         "",
+        "",
     ]
     (out_dir / "report.md").write_text(
         "\n".join(header)

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,33 +128,37 @@ def run_shift(
         ignore_eos=True,
         seed=0,
     )
-    window = workload["window"]
-    key = 0
+    for key, phase, chunk in shift_windows(workload):
+        before = read_counters(llm)
+        outs, wall = timed_generate(llm, chunk, params)
+        after = read_counters(llm)
+        summary = spec_summary(counter_delta(before, after))
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        add_point(
+            result,
+            Point(
+                key=key,
+                phase=phase,
+                requests=len(chunk),
+                output_tokens=tokens,
+                wall_s=wall,
+                tok_s=tokens / wall,
+                tok_s_runs=[tokens / wall],
+                extra=swap_extra(before, after),
+                **summary,
+            ),
+        )
+        save()
+        progress(window_line(key, phase, tokens / wall, summary, after))
+
+
+def shift_windows(workload: dict) -> Iterator[tuple[int, str, list[str]]]:
+    """(window index, phase name, prompts) of the shift stream, in serving order."""
+    key, size = 0, workload["window"]
     for phase in workload["phases"]:
         prompts = phase["prompts"]
-        for start in range(0, len(prompts), window):
-            chunk = prompts[start : start + window]
-            before = read_counters(llm)
-            outs, wall = timed_generate(llm, chunk, params)
-            after = read_counters(llm)
-            summary = spec_summary(counter_delta(before, after))
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            add_point(
-                result,
-                Point(
-                    key=key,
-                    phase=phase["name"],
-                    requests=len(chunk),
-                    output_tokens=tokens,
-                    wall_s=wall,
-                    tok_s=tokens / wall,
-                    tok_s_runs=[tokens / wall],
-                    extra=swap_extra(before, after),
-                    **summary,
-                ),
-            )
-            save()
-            progress(window_line(key, phase["name"], tokens / wall, summary, after))
+        for start in range(0, len(prompts), size):
+            yield key, phase["name"], prompts[start : start + size]
             key += 1
 
 

@@ -222,44 +222,39 @@ def run_shift_served(
     """
     from adaflash_vllm.bench.offline import (
         counter_delta,
+        shift_windows,
         spec_summary,
         swap_extra,
         window_line,
     )
 
-    window = workload["window"]
-    key = 0
-    for phase in workload["phases"]:
-        prompts = phase["prompts"]
-        for start in range(0, len(prompts), window):
-            chunk = prompts[start : start + window]
-            before = scrape(server)
-            reqs, wall = asyncio.run(
-                drive(
-                    server.url,
-                    model,
-                    chunk,
-                    concurrency=window,
-                    max_tokens=workload["max_tokens"],
-                    temperature=workload["temperature"],
-                )
+    for key, phase, chunk in shift_windows(workload):
+        before = scrape(server)
+        reqs, wall = asyncio.run(
+            drive(
+                server.url,
+                model,
+                chunk,
+                concurrency=workload["window"],
+                max_tokens=workload["max_tokens"],
+                temperature=workload["temperature"],
             )
-            after = scrape(server)
-            summary = spec_summary(counter_delta(before, after))
-            tok_s = sum(r.get("tokens", 0) for r in reqs if r["ok"]) / wall
-            add_point(
-                result,
-                Point(
-                    key=key,
-                    phase=phase["name"],
-                    requests=len(chunk),
-                    tok_s=tok_s,
-                    tok_s_runs=[tok_s],
-                    extra=swap_extra(before, after),
-                    **_latency_fields(reqs, tok_s),
-                    **summary,
-                ),
-            )
-            save()
-            progress(window_line(key, phase["name"], tok_s, summary, after))
-            key += 1
+        )
+        after = scrape(server)
+        summary = spec_summary(counter_delta(before, after))
+        tok_s = sum(r.get("tokens", 0) for r in reqs if r["ok"]) / wall
+        add_point(
+            result,
+            Point(
+                key=key,
+                phase=phase,
+                requests=len(chunk),
+                tok_s=tok_s,
+                tok_s_runs=[tok_s],
+                extra=swap_extra(before, after),
+                **_latency_fields(reqs, tok_s),
+                **summary,
+            ),
+        )
+        save()
+        progress(window_line(key, phase, tok_s, summary, after))

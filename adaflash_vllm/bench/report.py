@@ -116,7 +116,7 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
                 f"{_fmt(row['speedup'], 'x')} | {_fmt(row['tok_s_vs_static'], 'x')} | "
                 f"{v['tau']:.2f} | {v['tau_last_quarter']:.2f} | "
                 f"{_fmt(row['tau_last_quarter_vs_static'], 'x')} | "
-                f"{v['verify_len']:.2f} | {v['requests_to_95pct_plateau']} | "
+                f"{v['verify_len']:.2f} | {v['requests_to_95pct_plateau'] or '-'} | "
                 f"{v['failed_requests']} |"
             )
             summary.setdefault(name, {})[phase] = row
@@ -243,11 +243,11 @@ def shade_phases(ax, result: dict) -> None:
         ax.axvspan(a, b, color=colors[i % len(colors)], zorder=0)
         ax.text(
             (a + b) / 2,
-            1.0,
+            0.98,
             name,
             transform=ax.get_xaxis_transform(),
             ha="center",
-            va="bottom",
+            va="top",
             fontsize=8,
         )
 

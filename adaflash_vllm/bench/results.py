@@ -126,7 +126,7 @@ def load_results(folder: str | Path) -> list[dict]:
             continue
         if data.get("schema") == SCHEMA:
             out.append(data)
-    return out
+    return sorted(out, key=lambda r: r.get("created", ""))  # the order they ran in
 
 
 def median(values: list[float]) -> float:
