@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
-from adaflash_vllm.bench.harness import run_benchmark
+from adaflash_vllm.bench.harness import MAX_MODEL_LEN, run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "examples" / "demo"
@@ -78,7 +78,11 @@ def run_demo(args: argparse.Namespace) -> dict:
     check_paths(setup)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     phases = [
-        load_phase(n, tokenizer, count=per_phase) for n in args.phases.split(",") if n
+        load_phase(
+            n, tokenizer, count=per_phase, max_prompt_tokens=MAX_MODEL_LEN - max_tokens
+        )
+        for n in args.phases.split(",")
+        if n
     ]
     workload = Workload("shift", phases, window=window, max_tokens=max_tokens)
     configs = [c for c in args.configs.split(",") if c]

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
-from adaflash_vllm.bench.harness import rebuild_report, run_benchmark
+from adaflash_vllm.bench.harness import MAX_MODEL_LEN, rebuild_report, run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
@@ -71,9 +71,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
+    fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
         names = [n for n in args.phases.split(",") if n]
-        phases = [load_phase(n, tokenizer, count=args.per_phase) for n in names]
+        phases = [
+            load_phase(n, tokenizer, count=args.per_phase, max_prompt_tokens=fit)
+            for n in names
+        ]
         return Workload(
             "shift",
             phases,
@@ -84,7 +88,11 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
     levels = tuple(int(c) for c in args.concurrency.split(",") if c)
     return Workload(
         "sweep",
-        [load_phase(args.prompts, tokenizer, count=args.num_prompts)],
+        [
+            load_phase(
+                args.prompts, tokenizer, count=args.num_prompts, max_prompt_tokens=fit
+            )
+        ],
         concurrencies=levels,
         max_tokens=args.max_tokens,
         temperature=args.temperature,

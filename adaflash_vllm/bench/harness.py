@@ -35,8 +35,12 @@ from adaflash_vllm.bench.results import load_results, new_result, save_result
 from adaflash_vllm.bench.workloads import Workload
 from adaflash_vllm.errors import AdaFlashConfigError
 
+MAX_MODEL_LEN = 1024  # every benchmark engine's context length
 
-def engine_kwargs(workload: Workload, max_model_len: int = 1024) -> dict[str, Any]:
+
+def engine_kwargs(
+    workload: Workload, max_model_len: int = MAX_MODEL_LEN
+) -> dict[str, Any]:
     seqs = max(workload.concurrencies) if workload.kind == "sweep" else workload.window
     return {
         "dtype": "float32",
@@ -155,7 +159,8 @@ def run_served_config(
         workload=workload_json(workload)
         | {
             "phases": [
-                {"name": p.name, "count": len(p.prompts)} for p in workload.phases
+                {"name": p.name, "count": len(p.prompts), "skipped": p.skipped}
+                for p in workload.phases
             ]
         },
         config=asdict(config),

@@ -220,7 +220,7 @@ def main(job_path: str) -> None:
         workload={k: v for k, v in workload.items() if k != "phases"}
         | {
             "phases": [
-                {"name": p["name"], "count": len(p["prompts"])}
+                {"name": p["name"], "count": len(p["prompts"]), "skipped": p["skipped"]}
                 for p in workload["phases"]
             ]
         },

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaflash_vllm.errors import AdaFlashConfigError
 from adaflash_vllm.training.data import chat_prompts, load_prompts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ def prompt_set_path(name: str) -> Path:
 class Phase:
     name: str
     prompts: list[str]  # chat-templated, ready for the engine
+    skipped: int = 0  # prompts of the set left out as too long for the engine
 
 
 @dataclass
@@ -53,16 +55,35 @@ class Workload:
 
 
 def load_phase(
-    name: str, tokenizer, *, count: int, offset: int = 0, seed: int | None = None
+    name: str,
+    tokenizer,
+    *,
+    count: int,
+    offset: int = 0,
+    seed: int | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Phase:
-    """`count` prompts of set `name` (after `offset`), chat-templated."""
+    """`count` prompts of set `name` (after `offset`), chat-templated.
+
+    With `max_prompt_tokens`, prompts longer than that (templated, in tokens) are
+    left out first, so that no request of the stream is one the engine must refuse
+    (prompt + output over the context length); how many is in `Phase.skipped`.
+    """
     records = load_prompts(prompt_set_path(name))
     if seed is not None:
         random.Random(seed).shuffle(records)
-    chosen = records[offset : offset + count]
+    texts = chat_prompts(tokenizer, [r["prompt"] for r in records])
+    if max_prompt_tokens is not None:
+        fits = [t for t in texts if len(tokenizer(t).input_ids) <= max_prompt_tokens]
+        skipped, texts = len(texts) - len(fits), fits
+        if not texts:
+            raise AdaFlashConfigError(
+                f"prompt set {name}: no prompt fits in {max_prompt_tokens} tokens"
+            )
+    else:
+        skipped = 0
+    chosen = texts[offset : offset + count]
     if len(chosen) < count:  # cycle small sets rather than fail a long stream
-        chosen = (records * (count // max(1, len(records)) + 2))[
-            offset : offset + count
-        ]
+        chosen = (texts * (count // max(1, len(texts)) + 2))[offset : offset + count]
     label = Path(name).stem if name not in BUNDLED_SETS else name
-    return Phase(label, chat_prompts(tokenizer, [r["prompt"] for r in chosen]))
+    return Phase(label, chosen, skipped)

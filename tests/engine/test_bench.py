@@ -137,6 +137,19 @@ def test_unknown_config_and_missing_prompts(tiny, tokenizer, tmp_path):
         load_phase(str(tmp_path / "missing.jsonl"), tokenizer, count=2)
 
 
+def test_prompts_too_long_for_the_engine_are_left_out(tokenizer, tmp_path):
+    path = tmp_path / "p.jsonl"
+    long = " ".join(["word"] * 400)
+    path.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", long, "yo", "ok"])
+    )
+    phase = load_phase(str(path), tokenizer, count=3, max_prompt_tokens=64)
+    assert phase.skipped == 1 and len(phase.prompts) == 3
+    assert all("word word" not in p for p in phase.prompts)
+    with pytest.raises(AdaFlashConfigError, match="no prompt fits"):
+        load_phase(str(path), tokenizer, count=3, max_prompt_tokens=1)
+
+
 def test_server_that_fails_to_start_shows_its_log(tmp_path):
     with pytest.raises(ServerStartError, match="exited with code") as e:
         ServeProcess(
