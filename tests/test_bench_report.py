@@ -78,3 +78,30 @@ def test_shift_windows_cover_every_prompt_in_order():
         (1, "a", ["a3"]),
         (2, "b", ["b0", "b1"]),
     ]
+
+
+def test_online_history_and_training_table(tmp_path):
+    """Published versions (manifests) and the engine's verdicts become the report's
+    training table; an incomplete version folder is skipped."""
+    import json
+
+    from adaflash_vllm.bench.report import training_table
+    from adaflash_vllm.bench.results import online_history
+    from adaflash_vllm.versions import mark_rejected, version_dirname
+
+    for v in (1, 2, 3):
+        d = tmp_path / version_dirname(v)
+        d.mkdir()
+        metrics = {"loss": 3.0 - v, "ce": 1.0, "rkl": 0.5, "clip_fraction": 0.01}
+        (d / "manifest.json").write_text(json.dumps({"version": v, "metrics": metrics}))
+        if v != 2:  # v2 never finished writing its weights
+            (d / "model.safetensors").write_bytes(b"")
+    (tmp_path / "LATEST").write_text("3")
+    mark_rejected(tmp_path, 3, "rolled back: test")
+    hist = online_history(tmp_path)
+    assert [h["version"] for h in hist] == [1, 3]
+    assert hist[0]["rejected"] is None and hist[1]["rejected"] == "rolled back: test"
+    lines = training_table([{"config": {"name": "online"}, "online_versions": hist}])
+    assert lines[3].startswith("| online | 1 |") and "| 2.000 |" in lines[3]
+    assert "1.00%" in lines[3] and lines[4].endswith("| rolled back: test |")
+    assert training_table([{"config": {"name": "plain"}}]) == []

@@ -27,11 +27,17 @@ from adaflash_vllm.bench.report import (
     plot_acceptance,
     plot_shift,
     plot_sweep,
+    plot_training,
     shift_table,
     swap_summary,
     sweep_table,
 )
-from adaflash_vllm.bench.results import load_results, new_result, save_result
+from adaflash_vllm.bench.results import (
+    load_results,
+    new_result,
+    online_history,
+    save_result,
+)
 from adaflash_vllm.bench.workloads import Workload
 from adaflash_vllm.errors import AdaFlashConfigError
 
@@ -236,18 +242,22 @@ def run_benchmark(
     results = []
     for i, config in enumerate(configs, start=1):
         print(f"[{i}/{len(configs)}] {config.name}", flush=True)
-        results.append(
-            runner(
-                config,
-                setup=setup,
-                workload=workload,
-                out=out_dir / f"{config.name.replace(':', '-')}.json",
-                cores=cores,
-                command=command,
-                repeats=repeats,
-                engine=engine,
-            )
+        out = out_dir / f"{config.name.replace(':', '-')}.json"
+        result = runner(
+            config,
+            setup=setup,
+            workload=workload,
+            out=out,
+            cores=cores,
+            command=command,
+            repeats=repeats,
+            engine=engine,
         )
+        online = ((config.speculative_config or {}).get("adaflash") or {}).get("online")
+        if online and online.get("enabled"):
+            result["online_versions"] = online_history(online["versions_dir"])
+            save_result(result, out)
+        results.append(result)
     return write_report(results, out_dir, workload.kind, title=title)
 
 
@@ -261,6 +271,8 @@ def write_report(
         table, summary = sweep_table(results)
         plots = [plot_sweep(results, out_dir / "sweep.png", title)]
     plots.append(plot_acceptance(results, out_dir / "acceptance.png"))
+    if any(r.get("online_versions") for r in results):
+        plots.append(plot_training(results, out_dir / "training.png"))
     first = results[0] if results else {}
     header = [
         f"# {title or kind}",

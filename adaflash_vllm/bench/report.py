@@ -138,7 +138,37 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
                 f"{_fmt(v['itl_p99_ms_other_windows'], '', 1)} | "
                 f"{_fmt(v['itl_p99_ratio'], 'x')} |"
             )
+    lines += training_table(results)
     return "\n".join(lines), summary
+
+
+def training_table(results: list[dict]) -> list[str]:
+    """One row per published version of every online run (the trainer's manifest)."""
+    rows = [
+        (r["config"]["name"], h)
+        for r in results
+        for h in r.get("online_versions") or []
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| config | version | trajectories | loss | CE | rKL | clipped entries | "
+        "accept before -> after | train s | engine verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, h in rows:
+        m = h["metrics"]
+        clip = 100 * m["clip_fraction"] if "clip_fraction" in m else None
+        lines.append(
+            f"| {name} | {h['version']} | {m.get('trajectories', '-')} | "
+            f"{_fmt(m.get('loss'), '', 3)} | {_fmt(m.get('ce'), '', 3)} | "
+            f"{_fmt(m.get('rkl'), '', 3)} | "
+            f"{_fmt(clip, '%')} | "
+            f"{_fmt(m.get('accept_before'))} -> {_fmt(m.get('accept_after'))} | "
+            f"{_fmt(m.get('seconds'), '', 0)} | {h.get('rejected') or 'kept'} |"
+        )
+    return lines
 
 
 def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
@@ -314,6 +344,63 @@ def plot_acceptance(results: list[dict], path: Path) -> Path:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_training(results: list[dict], path: Path) -> Path:
+    """Online trainer, per published version: OPD loss, its CE and clipped
+    reverse-KL parts, the clip fraction, and greedy acceptance on the round's
+    trajectories before and after training (x marks versions the engine rolled
+    back or refused)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    ax_clip = ax_loss.twinx()
+    for r in results:
+        hist = r.get("online_versions") or []
+        if not hist:
+            continue
+        name = r["config"]["name"]
+        v = [h["version"] for h in hist]
+        m = [h["metrics"] for h in hist]
+        ax_loss.plot(v, [x.get("loss") for x in m], "o-", label=f"{name}: loss")
+        ax_loss.plot(v, [x.get("ce") for x in m], "s--", ms=3, label=f"{name}: CE")
+        ax_loss.plot(v, [x.get("rkl") for x in m], "^--", ms=3, label=f"{name}: rKL")
+        ax_clip.plot(
+            v,
+            [100 * (x.get("clip_fraction") or 0) for x in m],
+            ":",
+            color="grey",
+            label=f"{name}: clipped entries %",
+        )
+        ax_acc.plot(
+            v, [x.get("accept_before") for x in m], "o-", label=f"{name}: before"
+        )
+        ax_acc.plot(v, [x.get("accept_after") for x in m], "o-", label=f"{name}: after")
+        bad = [h for h in hist if h.get("rejected")]
+        ax_acc.plot(
+            [h["version"] for h in bad],
+            [h["metrics"].get("accept_after") for h in bad],
+            "x",
+            color="red",
+            ms=9,
+            label=f"{name}: rolled back / refused",
+        )
+    ax_loss.set_ylabel("loss (per weighted position)")
+    ax_clip.set_ylabel("clipped reverse-KL entries (%)")
+    ax_acc.set_ylabel("accepted drafts per block")
+    ax_acc.set_xlabel("published drafter version")
+    ax_loss.set_title("Online distillation: loss, clip fraction and acceptance")
+    lines = ax_loss.get_legend_handles_labels()
+    extra = ax_clip.get_legend_handles_labels()
+    ax_loss.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=7, loc="best")
+    ax_acc.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

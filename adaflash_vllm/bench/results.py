@@ -138,3 +138,27 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def online_history(versions_dir: str | Path) -> list[dict[str, Any]]:
+    """Every drafter version the online trainer published in `versions_dir`, in
+    order: its manifest metrics (loss, CE, reverse-KL, clip fraction, acceptance
+    before/after training, seconds) and, for versions the engine refused or rolled
+    back, why."""
+    from adaflash_vllm.versions import latest_version, read_version, rejected_versions
+
+    rejected = rejected_versions(versions_dir)
+    history = []
+    for v in range(1, latest_version(versions_dir) + 1):
+        info = read_version(versions_dir, v)
+        if info is None:
+            continue
+        history.append(
+            {
+                "version": v,
+                "created": info.manifest.get("created"),
+                "metrics": info.manifest.get("metrics", {}),
+                "rejected": rejected.get(v),
+            }
+        )
+    return history
