@@ -140,8 +140,13 @@ def _new_stats_path() -> str:
 
 
 def _looks_like_path(model: str) -> bool:
-    """A local path rather than a Hugging Face id (`org/name`: exactly one slash)."""
-    return model.startswith((".", "/", "~")) or model.count("/") != 1
+    """A local path rather than a Hugging Face id (`org/name`: exactly one slash,
+    and no such folder here)."""
+    return (
+        model.startswith((".", "/", "~"))
+        or model.count("/") != 1
+        or os.path.exists(model)
+    )
 
 
 def check_drafter_dir(model: Any) -> None:
