@@ -145,21 +145,10 @@ def run_offline_config(
     return result
 
 
-def run_served_config(
-    config: BenchConfig,
-    *,
-    setup: BenchSetup,
-    workload: Workload,
-    out: Path,
-    cores: str | None,
-    command: str,
-    repeats: int,
-    engine: dict[str, Any],
+def _served_result(
+    config: BenchConfig, setup: BenchSetup, workload: Workload, command: str
 ) -> dict:
-    from adaflash_vllm.bench.online import run_shift_served, run_sweep_served
-    from adaflash_vllm.serve_process import ServeProcess, ServerStartError
-
-    result = new_result(
+    return new_result(
         command=command,
         setup=asdict(setup),
         workload=workload_json(workload)
@@ -171,6 +160,17 @@ def run_served_config(
         },
         config=asdict(config),
     )
+
+
+def _server(
+    config: BenchConfig,
+    setup: BenchSetup,
+    engine: dict[str, Any],
+    cores: str | None,
+    log_path: Path,
+):
+    from adaflash_vllm.serve_process import ServeProcess
+
     args = [
         setup.target,
         "--dtype",
@@ -186,27 +186,39 @@ def run_served_config(
         args.append("--enforce-eager")
     if config.speculative_config is not None:
         args += ["--speculative-config", config.spec_json()]
-    server = ServeProcess(args, env=engine_env(cores), log_path=out.with_suffix(".log"))
+    server = ServeProcess(args, env=engine_env(cores), log_path=log_path)
     server.args = pinned(server.args, cores)
+    return server
+
+
+def run_served_config(
+    config: BenchConfig,
+    *,
+    setup: BenchSetup,
+    workload: Workload,
+    out: Path,
+    cores: str | None,
+    command: str,
+    repeats: int,
+    engine: dict[str, Any],
+) -> dict:
+    """The shift stream through one configuration's `vllm serve` (served sweeps
+    run all configurations at once: `run_sweep_interleaved`)."""
+    from adaflash_vllm.bench.online import run_shift_served
+    from adaflash_vllm.serve_process import ServerStartError
+
+    result = _served_result(config, setup, workload, command)
+    server = _server(config, setup, engine, cores, out.with_suffix(".log"))
     try:
         server.start()
-        save = lambda: save_result(result, out)  # noqa: E731
-        progress = lambda m: print(f"  [{config.name}] {m}", flush=True)  # noqa: E731
-        if workload.kind == "shift":
-            run_shift_served(
-                server, setup.target, workload_json(workload), result, save, progress
-            )
-        else:
-            run_sweep_served(
-                server,
-                setup.target,
-                workload_json(workload),
-                result,
-                save,
-                progress,
-                repeats=repeats,
-                requests_per_level=lambda c: max(8, 2 * c),
-            )
+        run_shift_served(
+            server,
+            setup.target,
+            workload_json(workload),
+            result,
+            lambda: save_result(result, out),
+            lambda m: print(f"  [{config.name}] {m}", flush=True),
+        )
         result["status"] = "ok"
     except (ServerStartError, OSError) as e:
         result["status"], result["error"] = "failed", str(e).splitlines()[0]
@@ -215,6 +227,77 @@ def run_served_config(
         server.stop()
         save_result(result, out)
     return result
+
+
+def run_sweep_interleaved(
+    configs: list[BenchConfig],
+    *,
+    setup: BenchSetup,
+    workload: Workload,
+    out_dir: Path,
+    cores: str | None,
+    command: str,
+    repeats: int,
+    engine: dict[str, Any],
+) -> list[dict]:
+    """The served concurrency sweep with every configuration's server up at once
+    (all on the same cores, idle while another is measured) and, at each
+    concurrency, the configurations measured in turn, repeat after repeat, in a
+    rotating order. A slow spell of a shared machine then hits every configuration
+    alike instead of whichever happened to run during it."""
+    from adaflash_vllm.bench.online import (
+        add_level_point,
+        level_batch,
+        measure_level,
+        warm_up,
+    )
+    from adaflash_vllm.serve_process import ServerStartError
+
+    wl = workload_json(workload)
+    outs = {c.name: out_dir / f"{c.name.replace(':', '-')}.json" for c in configs}
+    results = {c.name: _served_result(c, setup, workload, command) for c in configs}
+    servers = {}
+    try:
+        for c in configs:
+            server = _server(c, setup, engine, cores, outs[c.name].with_suffix(".log"))
+            try:
+                server.start()
+                servers[c.name] = server
+            except (ServerStartError, OSError) as e:
+                server.stop()
+                results[c.name]["status"] = "failed"
+                results[c.name]["error"] = str(e).splitlines()[0]
+                print(f"  [{c.name}] FAILED: {e}", flush=True)
+        live = [c.name for c in configs if c.name in servers]
+        prompts = wl["phases"][0]["prompts"]
+        for level in wl["concurrencies"]:
+            batch = level_batch(prompts, level)
+            for name in live:
+                warm_up(servers[name], setup.target, batch, level)
+            runs: dict[str, list[float]] = {name: [] for name in live}
+            last: dict[str, tuple] = {}
+            for rep in range(repeats):
+                shift = rep % max(1, len(live))
+                for name in live[shift:] + live[:shift]:
+                    tok_s, reqs, summary = measure_level(
+                        servers[name], setup.target, batch, level, wl
+                    )
+                    runs[name].append(tok_s)
+                    last[name] = (reqs, summary)
+            for name in live:
+                line = add_level_point(
+                    results[name], wl, level, runs[name], *last[name]
+                )
+                save_result(results[name], outs[name])
+                print(f"  [{name}] {line}", flush=True)
+        for name in live:
+            results[name]["status"] = "ok"
+    finally:
+        for server in servers.values():
+            server.stop()
+        for name, result in results.items():
+            save_result(result, outs[name])
+    return [results[c.name] for c in configs]
 
 
 def run_benchmark(
@@ -238,6 +321,19 @@ def run_benchmark(
     configs = [build_config(n, setup) for n in config_names]  # fail fast on names
     configs = [with_fresh_online(c, out_dir / f"{c.name}-online") for c in configs]
     engine = engine_kwargs(workload)
+    if driver == "serve" and workload.kind == "sweep":
+        print(f"[{len(configs)} configurations, interleaved]", flush=True)
+        results = run_sweep_interleaved(
+            configs,
+            setup=setup,
+            workload=workload,
+            out_dir=out_dir,
+            cores=cores,
+            command=command,
+            repeats=repeats,
+            engine=engine,
+        )
+        return write_report(results, out_dir, workload.kind, title=title)
     runner = run_served_config if driver == "serve" else run_offline_config
     results = []
     for i, config in enumerate(configs, start=1):

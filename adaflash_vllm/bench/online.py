@@ -131,66 +131,72 @@ async def drive(
         return list(results), time.perf_counter() - t0
 
 
-def run_sweep_served(
-    server: ServeProcess,
-    model: str,
-    workload: dict,
-    result: dict,
-    save: Callable[[], None],
-    progress: Callable[[str], None],
-    *,
-    repeats: int,
-    requests_per_level: Callable[[int], int],
-) -> None:
+def level_batch(prompts: list[str], c: int) -> list[str]:
+    """The requests sent at concurrency `c`: at least 8, else two per slot."""
+    n = max(8, 2 * c)
+    return (prompts * (n // max(1, len(prompts)) + 1))[:n]
+
+
+def warm_up(server: ServeProcess, model: str, batch: list[str], c: int) -> None:
+    asyncio.run(
+        drive(
+            server.url,
+            model,
+            batch[: min(len(batch), c)],
+            concurrency=c,
+            max_tokens=8,
+            temperature=0.0,
+        )
+    )
+
+
+def measure_level(
+    server: ServeProcess, model: str, batch: list[str], c: int, workload: dict
+) -> tuple[float, list[dict], dict[str, Any]]:
+    """One timed pass of `batch` at concurrency `c`: (tok/s, requests, spec summary)."""
     from adaflash_vllm.bench.offline import counter_delta, spec_summary
 
-    prompts = workload["phases"][0]["prompts"]
-    for c in workload["concurrencies"]:
-        n = requests_per_level(c)
-        batch = (prompts * (n // max(1, len(prompts)) + 1))[:n]
-        runs, reqs, summary = [], [], {}
-        asyncio.run(
-            drive(
-                server.url,
-                model,
-                batch[: min(len(batch), c)],
-                concurrency=c,
-                max_tokens=8,
-                temperature=0.0,
-            )
-        )  # warm-up
-        for _ in range(repeats):
-            before = scrape(server)
-            reqs, wall = asyncio.run(
-                drive(
-                    server.url,
-                    model,
-                    batch,
-                    concurrency=c,
-                    max_tokens=workload["max_tokens"],
-                    temperature=workload["temperature"],
-                )
-            )
-            summary = spec_summary(counter_delta(before, scrape(server)))
-            runs.append(sum(r.get("tokens", 0) for r in reqs) / wall)
-        runs.sort()
-        add_point(
-            result,
-            Point(
-                key=c,
-                phase=workload["phases"][0]["name"],
-                requests=len(batch),
-                tok_s=median(runs),
-                tok_s_runs=runs,
-                **_latency_fields(reqs, median(runs)),
-                **summary,
-            ),
+    before = scrape(server)
+    reqs, wall = asyncio.run(
+        drive(
+            server.url,
+            model,
+            batch,
+            concurrency=c,
+            max_tokens=workload["max_tokens"],
+            temperature=workload["temperature"],
         )
-        save()
-        progress(
-            f"C={c:3d} {median(runs):8.1f} tok/s tau {summary['tau']:.2f} "
-            f"verify {summary['verify_len']:.2f}"
-        )
+    )
+    summary = spec_summary(counter_delta(before, scrape(server)))
+    return sum(r.get("tokens", 0) for r in reqs) / wall, reqs, summary
+
+
+def add_level_point(
+    result: dict,
+    workload: dict,
+    c: int,
+    runs: list[float],
+    reqs: list[dict],
+    summary: dict,
+) -> str:
+    """Record concurrency `c` (median of `runs`); returns the progress line."""
+    runs = sorted(runs)
+    add_point(
+        result,
+        Point(
+            key=c,
+            phase=workload["phases"][0]["name"],
+            requests=len(reqs),
+            tok_s=median(runs),
+            tok_s_runs=runs,
+            **_latency_fields(reqs, median(runs)),
+            **summary,
+        ),
+    )
+    return (
+        f"C={c:3d} {median(runs):8.1f} tok/s tau {summary['tau']:.2f} "
+        f"verify {summary['verify_len']:.2f}"
+    )
 
 
 def _latency_fields(reqs: list[dict], tok_s: float) -> dict[str, Any]:

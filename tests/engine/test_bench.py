@@ -78,23 +78,35 @@ def test_shift_stream_offline(tiny, tokenizer, prompt_file, tmp_path):
 
 
 def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
+    """All servers up at once, measured in turn; one that cannot start is reported
+    failed and the others still run."""
     workload = Workload(
         "sweep",
         [load_phase(str(prompt_file), tokenizer, count=8)],
         concurrencies=(1, 4),
         max_tokens=12,
     )
+    bad = tmp_path / "bad-adaflash.json"
+    bad.write_text(json.dumps({"adaflash": {"no_such_key": 1}}))
     names = ["plain", "dflash"]
     summary = run_benchmark(
         setup=_setup(tiny),
-        config_names=names,
+        config_names=[*names, f"bad@{bad}"],
         workload=workload,
         out_dir=tmp_path,
         driver="serve",
-        repeats=1,
+        repeats=2,
         command="test",
     )
     _check_outputs(tmp_path, names, "sweep")
+    assert summary["failed"] == ["bad"]
+    assert json.loads((tmp_path / "bad.json").read_text())["status"] == "failed"
+    assert (
+        len(
+            json.loads((tmp_path / "plain.json").read_text())["points"][0]["tok_s_runs"]
+        )
+        == 2
+    )
     point = json.loads((tmp_path / "dflash.json").read_text())["points"][0]
     assert point["ttft_ms_p50"] > 0 and point["failed_requests"] == 0
     assert point["tau"] > 1.0  # spec-decode counters scraped from /metrics
