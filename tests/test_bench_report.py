@@ -22,7 +22,12 @@ def _pt(phase, tau, *, swaps=None, itl=None, rounds=10, version=0):
 
 
 def _result(name, points):
-    return {"config": {"name": name}, "status": "ok", "points": points}
+    spec = None if name == "plain" else {"method": "dflash"}
+    return {
+        "config": {"name": name, "speculative_config": spec},
+        "status": "ok",
+        "points": points,
+    }
 
 
 def test_plateau_and_requests_to_adapt():
@@ -57,7 +62,9 @@ def test_swap_windows_latency_ratio():
 def test_shift_table_ratios_against_static():
     static = _result("static", [_pt("math", 1.5) for _ in range(4)])
     online = _result("online", [_pt("math", 1.5)] * 2 + [_pt("math", 1.8)] * 2)
-    table, summary = shift_table([static, online])
+    plain = _result("plain", [_pt("math", 1.0) for _ in range(4)])
+    table, summary = shift_table([plain, static, online])
+    assert summary["plain"]["math"]["tok_s_vs_static"] is None  # no speculation
     assert summary["online"]["math"]["tau_last_quarter_vs_static"] == 1.8 / 1.5
     assert summary["static"]["math"]["tok_s_vs_static"] == 1.0
     assert "| online | math | 16 |" in table

@@ -102,7 +102,8 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
         name = r["config"]["name"]
         for phase, v in phase_rollup(r).items():
             ref = base_roll.get(phase, {}).get("tok_s")
-            st = static_roll.get(phase, {})
+            speculative = r["config"].get("speculative_config") is not None
+            st = static_roll.get(phase, {}) if speculative else {}
             row = {
                 **v,
                 "speedup": v["tok_s"] / ref if ref else None,
