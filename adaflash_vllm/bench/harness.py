@@ -279,7 +279,7 @@ def run_sweep_interleaved(
             for rep in range(repeats):
                 shift = rep % max(1, len(live))
                 for name in live[shift:] + live[:shift]:
-                    tok_s, reqs, summary = measure_level(
+                    tok_s, reqs, summary, _ = measure_level(
                         servers[name], setup.target, batch, level, wl
                     )
                     runs[name].append(tok_s)

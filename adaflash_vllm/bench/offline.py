@@ -133,6 +133,7 @@ def run_shift(
         outs, wall = timed_generate(llm, chunk, params)
         after = read_counters(llm)
         summary = spec_summary(counter_delta(before, after))
+        extra = swap_extra(before, after)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         add_point(
             result,
@@ -144,12 +145,12 @@ def run_shift(
                 wall_s=wall,
                 tok_s=tokens / wall,
                 tok_s_runs=[tokens / wall],
-                extra=swap_extra(before, after),
+                extra=extra,
                 **summary,
             ),
         )
         save()
-        progress(window_line(key, phase, tokens / wall, summary, after))
+        progress(window_line(key, phase, tokens / wall, summary, extra))
 
 
 def shift_windows(workload: dict) -> Iterator[tuple[int, str, list[str]]]:
@@ -162,10 +163,11 @@ def shift_windows(workload: dict) -> Iterator[tuple[int, str, list[str]]]:
             key += 1
 
 
-def window_line(key: int, phase: str, tok_s: float, summary: dict, after: dict) -> str:
+def window_line(key: int, phase: str, tok_s: float, summary: dict, extra: dict) -> str:
+    """Progress line of one shift window (`extra`: `swap_extra` of the window)."""
     line = f"window {key} [{phase}] {tok_s:7.1f} tok/s tau {summary['tau']:.2f}"
-    if "drafter_version" in after:
-        line += f" drafter v{int(after['drafter_version'])}"
+    if "drafter_version" in extra:
+        line += f" drafter v{extra['drafter_version']}"
     return line
 
 

@@ -14,6 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from adaflash_vllm.bench.offline import (
+    GAUGES,
+    counter_delta,
+    shift_windows,
+    spec_summary,
+    swap_extra,
+    window_line,
+)
 from adaflash_vllm.bench.results import Point, add_point, median, percentile
 from adaflash_vllm.serve_process import ServeProcess, metric_sum, parse_prometheus
 
@@ -24,10 +32,6 @@ _COUNTERS = {
     "rounds": "vllm:adaflash_rounds_total",
     "verified": "vllm:adaflash_verified_tokens_total",
     "ada_accepted": "vllm:adaflash_accepted_tokens_total",
-}
-_GAUGES = {
-    "drafter_version": "vllm:adaflash_drafter_version",
-    "swaps_total": "vllm:adaflash_swaps_total",
 }
 
 
@@ -43,7 +47,7 @@ def _per_pos(values: dict[str, float], name: str) -> list[float]:
 def scrape(server: ServeProcess) -> dict[str, Any]:
     values = parse_prometheus(server.metrics_text())
     out: dict[str, Any] = {k: metric_sum(values, n) for k, n in _COUNTERS.items()}
-    for key, name in _GAUGES.items():  # only where the engine exports them
+    for key, name in GAUGES.items():  # only where the engine exports them
         if any(k == name or k.startswith(name + "{") for k in values):
             out[key] = metric_sum(values, name)
     out["accepted_per_pos"] = _per_pos(
@@ -152,10 +156,9 @@ def warm_up(server: ServeProcess, model: str, batch: list[str], c: int) -> None:
 
 def measure_level(
     server: ServeProcess, model: str, batch: list[str], c: int, workload: dict
-) -> tuple[float, list[dict], dict[str, Any]]:
-    """One timed pass of `batch` at concurrency `c`: (tok/s, requests, spec summary)."""
-    from adaflash_vllm.bench.offline import counter_delta, spec_summary
-
+) -> tuple[float, list[dict], dict[str, Any], dict[str, Any]]:
+    """One timed pass of `batch` at concurrency `c`: (tok/s, requests, spec summary,
+    drafter version and swaps during the pass)."""
     before = scrape(server)
     reqs, wall = asyncio.run(
         drive(
@@ -167,8 +170,10 @@ def measure_level(
             temperature=workload["temperature"],
         )
     )
-    summary = spec_summary(counter_delta(before, scrape(server)))
-    return sum(r.get("tokens", 0) for r in reqs) / wall, reqs, summary
+    after = scrape(server)
+    summary = spec_summary(counter_delta(before, after))
+    tok_s = sum(r.get("tokens", 0) for r in reqs) / wall
+    return tok_s, reqs, summary, swap_extra(before, after)
 
 
 def add_level_point(
@@ -226,29 +231,10 @@ def run_shift_served(
     Each point also records the drafter version at the window's end and the
     swaps during it, so ITL in windows with a swap can be compared with the rest.
     """
-    from adaflash_vllm.bench.offline import (
-        counter_delta,
-        shift_windows,
-        spec_summary,
-        swap_extra,
-        window_line,
-    )
-
     for key, phase, chunk in shift_windows(workload):
-        before = scrape(server)
-        reqs, wall = asyncio.run(
-            drive(
-                server.url,
-                model,
-                chunk,
-                concurrency=workload["window"],
-                max_tokens=workload["max_tokens"],
-                temperature=workload["temperature"],
-            )
+        tok_s, reqs, summary, extra = measure_level(
+            server, model, chunk, workload["window"], workload
         )
-        after = scrape(server)
-        summary = spec_summary(counter_delta(before, after))
-        tok_s = sum(r.get("tokens", 0) for r in reqs if r["ok"]) / wall
         add_point(
             result,
             Point(
@@ -257,10 +243,10 @@ def run_shift_served(
                 requests=len(chunk),
                 tok_s=tok_s,
                 tok_s_runs=[tok_s],
-                extra=swap_extra(before, after),
+                extra=extra,
                 **_latency_fields(reqs, tok_s),
                 **summary,
             ),
         )
         save()
-        progress(window_line(key, phase, tok_s, summary, after))
+        progress(window_line(key, phase, tok_s, summary, extra))

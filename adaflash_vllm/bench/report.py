@@ -25,7 +25,8 @@ def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
     return {name: _rollup(pts) for name, pts in by_phase.items()}
 
 
-def _weighted_tau(pts: list[dict], field: str = "tau") -> float:
+def _round_weighted(pts: list[dict], field: str = "tau") -> float:
+    """Mean of a per-window `field` (tau, verify length) weighted by rounds."""
     rounds = sum(p.get("rounds") or 0 for p in pts)
     if not rounds:
         return 1.0
@@ -35,18 +36,18 @@ def _weighted_tau(pts: list[dict], field: str = "tau") -> float:
 def _rollup(pts: list[dict]) -> dict[str, float]:
     wall = sum(p["wall_s"] for p in pts)
     tail = pts[len(pts) - max(1, len(pts) // 4) :]
-    plateau = _weighted_tau(tail)
+    plateau = _round_weighted(tail)
     adapt = None
     served = 0
     for i, p in enumerate(pts):
         served += p["requests"]
         recent = pts[max(0, i - 2) : i + 1]
-        if adapt is None and _weighted_tau(recent) >= 0.95 * plateau:
+        if adapt is None and _round_weighted(recent) >= 0.95 * plateau:
             adapt = served
     return {
         "tok_s": sum(p["output_tokens"] for p in pts) / wall if wall else 0.0,
-        "tau": _weighted_tau(pts),
-        "verify_len": _weighted_tau(pts, "verify_len"),
+        "tau": _round_weighted(pts),
+        "verify_len": _round_weighted(pts, "verify_len"),
         "tau_last_quarter": plateau,
         "requests_to_95pct_plateau": adapt,
         "requests": sum(p["requests"] for p in pts),
@@ -100,9 +101,9 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
     summary: dict[str, Any] = {}
     for r in results:
         name = r["config"]["name"]
+        speculative = r["config"].get("speculative_config") is not None
         for phase, v in phase_rollup(r).items():
             ref = base_roll.get(phase, {}).get("tok_s")
-            speculative = r["config"].get("speculative_config") is not None
             st = static_roll.get(phase, {}) if speculative else {}
             row = {
                 **v,
