@@ -54,6 +54,9 @@ class LengthConfig(_Struct):
     profile: bool = True
     # cost_aware: time dummy steps at startup (else start from the paper rule and
     # learn the cost curve from served steps only).
+    skip_drafting: bool = True
+    # cost_aware: skip the drafter's forward on steps where even the best budgets
+    # would emit fewer tokens per second than plain decoding (probing again later).
 
 
 class AdmissionConfig(_Struct):

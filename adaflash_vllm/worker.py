@@ -73,10 +73,19 @@ class AdaFlashWorkerExtension:
         drafter = self.model_runner.drafter
         cost = getattr(drafter, "cost_model", None)
         policy = getattr(drafter, "budget_policy", None)
+        gate = getattr(drafter, "draft_gate", None)
         return {
             "policy": type(policy).__name__,
             "cost_model": cost.to_dict() if cost is not None else None,
             "cost_profile_error": getattr(drafter, "cost_profile_error", None),
             "last_choice": getattr(policy, "last_choice", None),
             "has_length_head": getattr(drafter.model, "length_head", None) is not None,
+            "draft_gate": gate.to_dict() if gate is not None else None,
         }
+
+    def adaflash_debug_draft_every(self, draft_every: int) -> None:
+        """Debugging and tests: run the drafter on every `draft_every`-th step only
+        (the others write context K/V and verify 0 drafts), whatever the timings."""
+        from adaflash_vllm.proposers.draft_gate import ScriptedDraftGate
+
+        self.model_runner.drafter.draft_gate = ScriptedDraftGate(draft_every)

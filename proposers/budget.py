@@ -189,6 +189,9 @@ class CostAwareBudget:
         k_i = chosen.view(b, k - k_min).sum(-1) + k_min
         self.last_choice = {
             "budget": best,
+            "expected_tokens": float(base_tokens + gains[best]),
+            "verify_ms": float(times[best]),
+            "plain_verify_ms": float(cost(b)),  # the same batch verifying no drafts
             "tokens_per_ms": float(rate[best]),
             "full_k_tokens_per_ms": float(rate[-1]),
         }

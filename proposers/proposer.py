@@ -24,6 +24,7 @@ from adaflash_vllm.proposers.cost_model import (
     profile_sizes,
     profile_step_costs,
 )
+from adaflash_vllm.proposers.draft_gate import DraftGate
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from typing_extensions import override
 from vllm.logger import init_logger
@@ -32,6 +33,13 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from adaflash_vllm.config import config_from_additional
 
 logger = init_logger(__name__)
+
+# DFlashProposer internals a step without a draft uses (checked at startup).
+_CONTEXT_ONLY_NEEDS = (
+    "set_inputs_first_pass",
+    "_context_positions_buffer",
+    "_context_slot_mapping_buffer",
+)
 
 
 class AdaFlashProposer(DFlashProposer):
@@ -43,7 +51,9 @@ class AdaFlashProposer(DFlashProposer):
         self.budget_policy: BudgetPolicy | None = None  # built in load_model
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
+        self.draft_gate: DraftGate | None = None  # built in load_model
         self._last_step: tuple[float, frozenset, int] | None = None
+        self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
         self._budgets: dict[str, int] | None = None
@@ -67,6 +77,11 @@ class AdaFlashProposer(DFlashProposer):
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
         self.swapper = None
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
         if self.adaflash is not None:
             self.budget_policy = make_budget_policy(
                 self.adaflash.length,
@@ -74,12 +89,11 @@ class AdaFlashProposer(DFlashProposer):
                 compute_logits=self.model.compute_logits,
                 cost=lambda: self.cost_model,
             )
+            self.draft_gate = self._make_draft_gate(
+                get_tensor_model_parallel_world_size()
+            )
         if self.adaflash is None or not self.adaflash.online.enabled:
             return
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
 
         from adaflash_vllm.swap import DrafterSwapper
 
@@ -93,6 +107,27 @@ class AdaFlashProposer(DFlashProposer):
         )
         # A restarted engine resumes from the newest good version: the scheduler
         # orders that swap for the first step (one source of truth for the version).
+
+    def _make_draft_gate(self, tp_size: int) -> DraftGate | None:
+        length = self.adaflash.length
+        if length.mode != "cost_aware" or not length.skip_drafting:
+            return None
+        if tp_size > 1:
+            # The skip decision comes from this rank's timings, and skipping changes
+            # which collectives the drafter runs: ranks must not decide apart.
+            logger.warning(
+                "AdaFlash: adaflash.length.skip_drafting is off with tensor "
+                "parallelism (%d ranks would time steps apart)",
+                tp_size,
+            )
+            return None
+        missing = [n for n in _CONTEXT_ONLY_NEEDS if not hasattr(self, n)]
+        if missing:
+            raise RuntimeError(
+                f"AdaFlash skip_drafting needs DFlashProposer.{missing}, which this "
+                f"vLLM does not have; set adaflash.length.skip_drafting to false"
+            )
+        return DraftGate()
 
     def apply_swap(self, order) -> dict:
         """Swap in the drafter version the scheduler ordered (between steps)."""
@@ -114,15 +149,23 @@ class AdaFlashProposer(DFlashProposer):
 
     @override
     def propose(self, *args, **kwargs) -> torch.Tensor:
-        draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
+        started = time.perf_counter()
         self._budgets = None
-        if self._runner is None or (
-            self.budget_policy is None and self.captures is None
+        cad = kwargs.get("common_attn_metadata")  # vLLM passes keywords only
+        if (
+            self._runner is None
+            or cad is None
+            or (self.budget_policy is None and self.captures is None)
         ):
-            return draft_token_ids
-        num_reqs, num_drafts = draft_token_ids.shape
+            return super().propose(*args, **kwargs)
+        num_reqs = cad.batch_size()
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
-        self._observe_step_cost(req_ids)
+        self._observe_step_cost(req_ids, started)
+        gate = self.draft_gate
+        if gate is not None and not gate.should_draft(num_reqs):
+            return self._skip_drafting(req_ids, started, **kwargs)
+        draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
+        num_drafts = draft_token_ids.shape[1]
         hidden = self._mask_hidden
         self._mask_hidden = None
         if hidden is not None and num_drafts > 0:
@@ -136,16 +179,84 @@ class AdaFlashProposer(DFlashProposer):
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
             verified = sum(1 + k for k in (budgets or [num_drafts] * num_reqs))
-            self._last_step = (time.perf_counter(), frozenset(req_ids), verified)
+            now = self._synced_clock()
+            if gate is not None and self.cost_model is not None:
+                choice = self.budget_policy.last_choice
+                gate.record_draft(
+                    num_reqs=num_reqs,
+                    expected_tokens=choice["expected_tokens"],
+                    verify_ms=choice["verify_ms"],
+                    draft_ms=1e3 * (now - started),
+                    plain_verify_ms=choice["plain_verify_ms"],
+                )
+            self._last_step = (now, frozenset(req_ids), verified)
         return draft_token_ids
 
-    def _observe_step_cost(self, req_ids: list[str]) -> None:
-        """Refresh the cost curve from the step that just ran, when it was a pure
-        decode step of the same batch (so it verified exactly what we chose)."""
+    def _skip_drafting(
+        self,
+        req_ids: list[str],
+        started: float,
+        *,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,  # [T] tokens the target just processed
+        target_positions: torch.Tensor,  # [T]
+        target_hidden_states: torch.Tensor,  # [T, aux layers * target hidden]
+        next_token_ids: torch.Tensor,  # [B]
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        **_unused,
+    ) -> torch.Tensor:
+        """A step without a draft (see draft_gate.py): write this step's context K/V
+        into the drafter's cache, which the next drafting step attends to, skip the
+        block forward, and verify 0 drafts per request. Returns [B, K] placeholders
+        (every budget is 0, so none reaches the scheduler)."""
+        self.num_speculative_tokens = num_speculative_tokens
+        self._last_draft_probs = None
+        context_states = self.model.combine_hidden_states(target_hidden_states)
+        self.set_inputs_first_pass(  # context positions and cache slots
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=context_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        num_context = target_token_ids.shape[0]
+        self.model.precompute_and_store_context_kv(
+            context_states,
+            self._context_positions_buffer[:num_context],
+            self._context_slot_mapping_buffer[:num_context],
+        )
+        self._budgets = dict.fromkeys(req_ids, 0)
+        now = self._synced_clock()
+        self.draft_gate.record_skip(1e3 * (now - started))
+        self._last_step = (now, frozenset(req_ids), len(req_ids))
+        return torch.zeros(
+            len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
+        )
+
+    def _synced_clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _observe_step_cost(self, req_ids: list[str], started: float) -> None:
+        """Refresh the cost curve from the step that just ran (from the end of the
+        last propose to the start of this one: scheduling, the target's forward
+        and verification), when it was a pure decode step of the same batch (so it
+        verified exactly what we chose)."""
         last, self._last_step = self._last_step, None
         if last is None or self.cost_model is None or frozenset(req_ids) != last[1]:
             return
-        self.cost_model.observe(last[2], 1e3 * (time.perf_counter() - last[0]))
+        self.cost_model.observe(last[2], 1e3 * (started - last[0]))
+
+    @override
+    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
+        if self._profiling_target_only:  # the cost profile times verification only
+            return
+        super().dummy_run(num_tokens, *args, **kwargs)
 
     def ensure_cost_profile(self, runner) -> None:
         """Profile step cost vs verified tokens once, before the first real step
@@ -167,6 +278,7 @@ class AdaFlashProposer(DFlashProposer):
         sampler = getattr(runner, "rejection_sampler", None)
         if hasattr(sampler, "recording"):
             sampler.recording = False  # dummy batches are not served rounds
+        self._profiling_target_only = True
         try:
             sync = torch.cuda.synchronize if self.device.type == "cuda" else None
             self.cost_model = profile_step_costs(
@@ -190,6 +302,7 @@ class AdaFlashProposer(DFlashProposer):
                 self.cost_profile_error,
             )
         finally:
+            self._profiling_target_only = False
             if hasattr(sampler, "recording"):
                 sampler.recording = True
 

@@ -12,15 +12,20 @@ pytestmark = pytest.mark.engine
 K = 3
 
 
-@pytest.fixture(scope="module", params=["fixed", "debug_ragged"])
+@pytest.fixture(scope="module", params=["fixed", "debug_ragged", "skips"])
 def adaflash(request, tiny):
     """One AdaFlash engine per length mode; `fixed` is given as a config FILE path,
-    `debug_ragged` as a dict, so both ways users pass the config are exercised."""
+    `debug_ragged` as a dict, so both ways users pass the config are exercised.
+    `skips`: debug_ragged budgets with the drafter run on every other step only
+    (the steps between verify 0 drafts, as skip_drafting does)."""
     mode = request.param
-    spec = tiny.spec(k=K, adaflash={"length": {"mode": mode}})
+    length = "debug_ragged" if mode == "skips" else mode
+    spec = tiny.spec(k=K, adaflash={"length": {"mode": length}})
     if mode == "fixed":
         spec = str(tiny.write_config("adaflash-fixed.json", spec))
     llm = make_llm(tiny.target, spec)
+    if mode == "skips":
+        llm.collective_rpc("adaflash_debug_draft_every", args=(2,))
     result = {
         "mode": mode,
         "llm": llm,
@@ -51,6 +56,9 @@ def test_not_vacuous(adaflash):
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
     assert m["vllm:adaflash_rounds"] > 0
+    if adaflash["mode"] == "skips":  # and half the steps ran without the drafter
+        gate = adaflash["llm"].collective_rpc("adaflash_budget_state")[0]
+        assert gate["draft_gate"]["skipped_steps"] > 10, gate
 
 
 def test_greedy_token_identical(adaflash, baseline):

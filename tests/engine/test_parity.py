@@ -17,10 +17,13 @@ pytestmark = pytest.mark.engine
 
 K = 3
 CONFIGS = {
-    # name: (drafter layers, target_layer_ids)
-    "1layer-taps01": (1, [0, 1]),
-    "2layers-taps-last": (2, [0, 2]),  # layer 2 is the target's last layer
-    "3layers-tap1": (3, [1]),
+    # name: (drafter layers, target_layer_ids, draft on every n-th step only)
+    "1layer-taps01": (1, [0, 1], 1),
+    "2layers-taps-last": (2, [0, 2], 1),  # layer 2 is the target's last layer
+    "3layers-tap1": (3, [1], 1),
+    # Steps without a draft write only context K/V (skip_drafting); the drafts after
+    # them must still see the whole context.
+    "2layers-skips": (2, [0, 2], 3),
 }
 
 
@@ -39,7 +42,7 @@ def _stringent(path, seed: int):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def captured(request, tiny, tmp_path_factory):
-    layers, taps = CONFIGS[request.param]
+    layers, taps, draft_every = CONFIGS[request.param]
     path = build_drafter(
         tmp_path_factory.mktemp(request.param) / "drafter",
         tiny.target,
@@ -51,12 +54,18 @@ def captured(request, tiny, tmp_path_factory):
     llm = make_llm(tiny.target, tiny.spec(k=K, adaflash={}, model=str(path)))
     try:
         llm.collective_rpc("adaflash_capture_drafts", args=(True,))
+        if draft_every > 1:
+            llm.collective_rpc("adaflash_debug_draft_every", args=(draft_every,))
         from vllm import SamplingParams
 
         outs = llm.generate(
-            PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            PROMPTS[:3],
+            SamplingParams(temperature=0, max_tokens=6 * draft_every, ignore_eos=True),
         )
         caps = llm.collective_rpc("adaflash_take_captures")[0]
+        if draft_every > 1:
+            gate = llm.collective_rpc("adaflash_budget_state")[0]["draft_gate"]
+            assert gate["skipped_steps"] >= 2 * gate["drafted_steps"] > 0, gate
     finally:
         shutdown(llm)
     seqs = {
@@ -134,4 +143,4 @@ def test_features_match_vllm_aux_hidden_states(captured, tiny):
                     (got - feats[pos]).abs().max(),
                 )
                 matched += 1
-    assert matched > 20 and matched > rejected, (matched, rejected)
+    assert matched >= 15 and matched > rejected, (matched, rejected)
