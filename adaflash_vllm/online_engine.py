@@ -213,7 +213,10 @@ class OnlineController:
         order, self.in_flight = self.in_flight, None
         if order is None:
             return
-        if result is None:  # the step did not reach the workers' swap hook
+        if result is None or result.get("pending"):
+            # The step did not reach the workers' swap hook, or the workers are
+            # still fetching the version in the background: order it again (unless
+            # a newer version replaces it first).
             self.pending = order
             return
         self.counters.last_swap_stall_ms = 1e3 * result.get("stall_s", 0.0)
@@ -227,10 +230,12 @@ class OnlineController:
             self.counters.swaps += 1
             self.live_rounds = RoundWindow(max(1, self.cfg.gate_window))
             logger.info(
-                "AdaFlash: drafter version %d live (%s, %.1f ms)",
+                "AdaFlash: drafter version %d live (%s; step stalled %.1f ms, "
+                "fetched and checked in the background in %.1f ms)",
                 order.version,
                 result.get("via"),
                 self.counters.last_swap_stall_ms,
+                1e3 * result.get("fetch_s", 0.0),
             )
         else:
             self.counters.swap_failures += 1

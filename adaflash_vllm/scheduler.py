@@ -155,7 +155,7 @@ class AdaFlashScheduler(Scheduler):
             self.round_stats.observe_round(k, accepted)
             if self.admission is not None:
                 self.admission.observe_round(k)
-            if self.online is not None:
+            if self.online is not None and k > 0:  # the gate judges drafts only
                 self.online.observe_round(accepted)
 
     def _forget_finished(

@@ -16,10 +16,17 @@ Checkpoint names (z-lab) -> vLLM modules, layer i:
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from vllm.logger import init_logger
 
 from adaflash_vllm.errors import AdaFlashError
+
+logger = init_logger(__name__)
 
 
 class SwapRejected(AdaFlashError, ValueError):
@@ -106,9 +113,13 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def apply_drafter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Validate, then write `state` into the live drafter `model` in place."""
-    validate_state(model, state)
+def apply_drafter_state(
+    model: nn.Module, state: dict[str, torch.Tensor], *, validated: bool = False
+) -> None:
+    """Validate (unless the caller did), then write `state` into the live drafter
+    `model` in place."""
+    if not validated:
+        validate_state(model, state)
     inner = model.model
     fused_kv, k_norms = [], []
     for i, layer in enumerate(inner.layers):
@@ -171,9 +182,26 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+@dataclass
+class _Fetch:
+    """One version being fetched and checked off the step path."""
+
+    version: int
+    thread: threading.Thread | None = None
+    state: dict[str, torch.Tensor] | None = None
+    via: str = "folder"
+    error: str | None = None
+    fetch_s: float = 0.0
+
+
 class DrafterSwapper:
     """Worker side of online swaps: fetch a version (push, else its folder), check
     it, write it in place, record the version.
+
+    Fetching and checking run in a background thread, so a step only pays for the
+    in-place writes: the first order for a version starts the fetch and answers
+    "pending" (the scheduler orders it again next step); an order that finds the
+    fetch done writes the state. A resume at startup (no traffic yet) runs inline.
 
     Args:
         model: the live vLLM drafter (`AdaFlashDFlashForCausalLM`).
@@ -198,6 +226,7 @@ class DrafterSwapper:
             rank=tp_rank, num_workers=tp_size, backend=backend, timeout_s=push_timeout_s
         )
         self._push_broken_session: str | None = None
+        self._fetch: _Fetch | None = None
 
     def load_folder(self, path: str, version: int) -> None:
         from adaflash_vllm.training.checkpoint import load_drafter
@@ -208,27 +237,49 @@ class DrafterSwapper:
 
     def apply_order(self, order) -> dict:
         """Carry out a `SwapOrder`; never raises (the result says what happened)."""
-        import time
-
-        from vllm.logger import init_logger
-
-        logger = init_logger(__name__)
         t0 = time.perf_counter()
         if self.tp_size != 1:
-            return {
-                "ok": False,
-                "version": order.version,
-                "stall_s": 0.0,
-                "error": "online swaps support tensor_parallel_size=1 only",
-            }
-        state, via = None, "folder"
+            return _result(
+                order, t0, error="online swaps support tensor_parallel_size=1 only"
+            )
+        fetch = self._fetch
+        if order.reason == "resume":
+            fetch = self._fetch_and_check(_Fetch(order.version), order)
+        elif fetch is not None and fetch.thread.is_alive():
+            # One fetch at a time on the channel (a newer order waits for it).
+            return _result(order, t0, pending=True)
+        elif fetch is None or fetch.version != order.version:
+            # A newer version replaces a finished fetch of an older one.
+            self._fetch = fetch = _Fetch(order.version)
+            fetch.thread = threading.Thread(
+                target=self._fetch_and_check,
+                args=(fetch, order),
+                name="adaflash-fetch",
+                daemon=True,
+            )
+            fetch.thread.start()
+            return _result(order, t0, pending=True)
+        self._fetch = None
+        if fetch.error is not None:
+            return _result(order, t0, error=fetch.error)
+        try:
+            apply_drafter_state(self.model, fetch.state, validated=True)
+        except (RuntimeError, ValueError) as e:
+            return _result(order, t0, error=str(e))
+        self.model.drafter_version = order.version
+        return _result(order, t0, via=fetch.via, fetch_s=fetch.fetch_s)
+
+    def _fetch_and_check(self, fetch: _Fetch, order) -> _Fetch:
+        """Fill `fetch` with the version's checked state (push, else its folder),
+        or with the error that makes it unusable."""
+        t0 = time.perf_counter()
         push = order.push
         if push and push.get("session") != self._push_broken_session:
             try:
-                state = self.channel.fetch(
+                fetch.state = self.channel.fetch(
                     order.version, push["host"], push["port"], push["session"]
                 )
-                via = "push" if state is not None else via
+                fetch.via = "push" if fetch.state is not None else "folder"
             except Exception as e:  # noqa: BLE001  (trainer gone: use the folder)
                 self._push_broken_session = push.get("session")
                 logger.warning(
@@ -237,22 +288,36 @@ class DrafterSwapper:
                     e,
                 )
         try:
-            if state is None:
+            if fetch.state is None:
                 from adaflash_vllm.training.checkpoint import load_drafter
 
-                _, state = load_drafter(order.path)
-            apply_drafter_state(self.model, state)
+                _, fetch.state = load_drafter(order.path)
+            validate_state(self.model, fetch.state)
         except (SwapRejected, OSError, ValueError, RuntimeError) as e:
-            return {
-                "ok": False,
-                "version": order.version,
-                "error": str(e),
-                "stall_s": time.perf_counter() - t0,
-            }
-        self.model.drafter_version = order.version
-        return {
-            "ok": True,
-            "version": order.version,
-            "via": via,
-            "stall_s": time.perf_counter() - t0,
-        }
+            fetch.state, fetch.error = None, str(e)
+        fetch.fetch_s = time.perf_counter() - t0
+        return fetch
+
+
+def _result(
+    order,
+    t0: float,
+    *,
+    error: str | None = None,
+    pending: bool = False,
+    via: str | None = None,
+    fetch_s: float = 0.0,
+) -> dict:
+    """What a worker reports for an order; `stall_s` is the time the step waited."""
+    result = {
+        "ok": error is None and not pending,
+        "version": order.version,
+        "stall_s": time.perf_counter() - t0,
+    }
+    if pending:
+        result["pending"] = True
+    if error is not None:
+        result["error"] = error
+    if via is not None:
+        result["via"], result["fetch_s"] = via, fetch_s
+    return result

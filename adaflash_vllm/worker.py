@@ -79,6 +79,11 @@ class AdaFlashWorkerExtension:
             "cost_model": cost.to_dict() if cost is not None else None,
             "cost_profile_error": getattr(drafter, "cost_profile_error", None),
             "last_choice": getattr(policy, "last_choice", None),
+            "calibration": (
+                {"factor": policy.calibration.factor, **vars(policy.calibration)}
+                if hasattr(policy, "calibration")
+                else None
+            ),
             "has_length_head": getattr(drafter.model, "length_head", None) is not None,
             "draft_gate": gate.to_dict() if gate is not None else None,
         }

@@ -147,8 +147,35 @@ class PaperBudget:
         return k.long().tolist()
 
 
+class AcceptanceCalibration:
+    """Realised vs predicted accepted drafts, as EMAs of both sums; `factor` scales
+    survivals so that predictions match what verification really accepts (a head
+    trained offline can be far off on served traffic, e.g. past end-of-answer)."""
+
+    def __init__(self, ema: float = 0.1, bounds: tuple[float, float] = (0.05, 2.0)):
+        self.ema, self.bounds = ema, bounds
+        self.predicted = self.realised = 0.0
+        self.observations = 0
+
+    @property
+    def factor(self) -> float:
+        if self.predicted <= 0:
+            return 1.0
+        lo, hi = self.bounds
+        return min(hi, max(lo, self.realised / self.predicted))
+
+    def observe(self, predicted: float, realised: float) -> None:
+        """One drafting step: the expected accepted drafts of the chosen budgets
+        (uncalibrated survivals) and the drafts verification accepted."""
+        a = self.ema if self.observations else 1.0
+        self.predicted += a * (predicted - self.predicted)
+        self.realised += a * (realised - self.realised)
+        self.observations += 1
+
+
 class CostAwareBudget:
-    """Budgets maximising expected emitted tokens per second (module docstring)."""
+    """Budgets maximising expected emitted tokens per second (module docstring).
+    Survivals are scaled by the online `calibration` before allocation."""
 
     def __init__(
         self,
@@ -161,15 +188,26 @@ class CostAwareBudget:
         self.survival, self.cost, self.k_min = survival, cost, k_min
         self.fallback = fallback
         self.last_choice: dict | None = None
+        self.calibration = AcceptanceCalibration()
+        self.last_predicted: float | None = None  # uncalibrated E[accepted], last step
 
     def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
         cost = self.cost()
+        self.last_predicted = None
         if cost is None:  # no profile (failed or not yet taken): the paper rule
             return self.fallback.choose(
                 req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden_states
             )
-        s = self.survival(hidden_states).float().cpu()  # [B, K]
-        return self.allocate(s, cost)
+        raw = self.survival(hidden_states).float().cpu()  # [B, K]
+        k_i = self.allocate((raw * self.calibration.factor).clamp(max=1.0), cost)
+        chosen = torch.arange(raw.shape[1]) < torch.tensor(k_i).unsqueeze(-1)
+        self.last_predicted = float(raw[chosen].sum())
+        return k_i
+
+    def observe_accepted(self, accepted: int) -> None:
+        """Drafts accepted from the last chosen budgets (same batch, verified)."""
+        if self.last_predicted is not None:
+            self.calibration.observe(self.last_predicted, accepted)
 
     def allocate(self, s: torch.Tensor, cost: Callable[[float], float]) -> list[int]:
         """k_i for survivals s [B, K] under step-cost curve `cost` (ms vs tokens)."""

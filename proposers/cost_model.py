@@ -17,7 +17,7 @@ from collections.abc import Callable
 class StepCostModel:
     """Piecewise-linear step time (ms) over verified tokens n, refreshed online."""
 
-    def __init__(self, sizes: list[int], times_ms: list[float], *, ema: float = 0.2):
+    def __init__(self, sizes: list[int], times_ms: list[float], *, ema: float = 0.3):
         if (
             len(sizes) < 2
             or sorted(sizes) != list(sizes)
@@ -31,23 +31,28 @@ class StepCostModel:
         self.ema = ema
         self.observations = 0
 
+    def _bracket(self, n: float) -> tuple[int, float]:
+        """(i, w): n lies between sizes[i - 1] and sizes[i], with weight w on i."""
+        s = self.sizes
+        i = min(max(bisect.bisect_left(s, n), 1), len(s) - 1)
+        return i, (n - s[i - 1]) / (s[i] - s[i - 1])
+
     def __call__(self, n: float) -> float:
-        s, t = self.sizes, self.times_ms
-        i = bisect.bisect_left(s, n)
-        if i == 0:
-            i = 1
-        elif i == len(s):
-            i = len(s) - 1
-        x0, x1, y0, y1 = s[i - 1], s[i], t[i - 1], t[i]
-        return max(1e-6, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        i, w = self._bracket(n)
+        t = self.times_ms
+        return max(1e-6, t[i - 1] + (t[i] - t[i - 1]) * w)
 
     def observe(self, n: int, ms: float) -> None:
-        """Blend a measured step (n tokens, ms) into the nearest table point."""
+        """Move the curve at n toward a measured step (n tokens, ms): both table
+        points around n, each by its interpolation weight (clamped outside the
+        table), so that cost(n) itself converges to what steps take."""
         if ms <= 0 or n <= 0:
             return
-        i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - n))
+        i, w = self._bracket(n)
         ratio = ms / self(n)
-        self.times_ms[i] *= (1 - self.ema) + self.ema * ratio
+        for j, weight in ((i - 1, 1.0 - w), (i, w)):
+            weight = min(1.0, max(0.0, weight))
+            self.times_ms[j] *= 1.0 + self.ema * weight * (ratio - 1.0)
         self._keep_monotone()
         self.observations += 1
 

@@ -2,38 +2,67 @@
 
 Budgets can only trim verification; the drafter's own forward (a block of K + 1
 query tokens per request plus K rows of lm_head) is paid before any budget is
-chosen. When even the best budgets emit fewer tokens per millisecond than plain
-decoding would, the step is better off without a draft: the proposer then only
-writes the new context K/V (so the drafter's cache stays in sync) and every request
-verifies 0 drafts, which the target serves as a plain decode step.
+chosen. When drafting emits fewer tokens per second than plain decoding would, the
+step is better off without a draft: the proposer then only writes the new context
+K/V (so the drafter's cache stays in sync) and every request verifies 0 drafts,
+which the target serves as a plain decode step.
 
-The decision needs an estimate for a step not taken, so the gate compares, at each
-step that did draft,
-
-    rate_draft = expected emitted tokens / (verify_ms(B + b*) + draft_ms)
-    rate_plain = B / (verify_ms(B) + context_ms)
-
-and after a losing draft step skips drafting for `interval` steps, then drafts once
-more to re-measure (a probe). A probe that loses again doubles the interval (up to
-`max_interval`), one that wins resets it. A batch that shrank by a quarter since
-the decision probes at once: drafting gets cheaper relative to its gain as the
-batch shrinks.
+The gate decides from what steps really deliver, not only from estimates. Each
+step's round (from one propose to the next: the drafter's forward, then the
+target verifying its drafts) is timed and credited with the tokens it emitted
+(requests + accepted drafts), and an EMA of tokens per ms is kept for drafting
+rounds and for skipped ones. The gate follows the better mode and explores the
+other for `explore_steps` rounds every `interval` rounds; an exploration that
+confirms the current mode doubles the interval (up to `max_interval`), one that
+flips it resets the interval. Exploring skips costs a few slow rounds, so it is only
+done when the cost model's own estimate (expected tokens per ms from the budgets
+and the step-cost curve) does not already favour drafting by `sure_margin`; a batch
+that shrank by a quarter since the last switch explores drafting at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Rate:
+    """EMA of tokens and of milliseconds per round (their ratio: tokens per ms)."""
+
+    ema: float
+    tokens: float = 0.0
+    ms: float = 0.0
+    rounds: int = 0
+    at_step: int = -(10**9)  # step of the last round
+
+    def add(self, tokens: float, ms: float, step: int) -> None:
+        a = self.ema if self.rounds else 1.0
+        self.tokens += a * (tokens - self.tokens)
+        self.ms += a * (ms - self.ms)
+        self.rounds += 1
+        self.at_step = step
+
+    @property
+    def per_ms(self) -> float | None:
+        return self.tokens / self.ms if self.rounds and self.ms > 0 else None
 
 
 @dataclass
 class DraftGate:
-    min_interval: int = 4
-    max_interval: int = 64
-    skipping: bool = False
-    interval: int = 4
+    min_interval: int = 8
+    max_interval: int = 128
+    explore_steps: int = 3
+    sure_margin: float = 1.5  # model says drafting wins by this much: never skip
+    ema: float = 0.3
+    drafting: bool = True  # the mode being followed
+    interval: int = 8
     step: int = 0
-    probe_at: int = 0  # step at which the next probe drafts
-    decided_batch: int = 0  # batch size when skipping was decided
+    explore_at: int = 8  # step at which the next exploration starts
+    exploring_until: int = 0
+    switch_batch: int = 0  # batch size at the last switch / exploration
+    model_ratio: float | None = None  # estimated draft/plain rate, last drafting step
+    draft_rate: _Rate = field(default_factory=lambda: _Rate(0.3))
+    skip_rate: _Rate = field(default_factory=lambda: _Rate(0.3))
     drafted_steps: int = 0
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
@@ -41,16 +70,28 @@ class DraftGate:
     def should_draft(self, num_reqs: int) -> bool:
         """Called once per step before proposing."""
         self.step += 1
-        draft = (
-            not self.skipping
-            or self.step >= self.probe_at
-            or 4 * num_reqs <= 3 * self.decided_batch
-        )
-        if draft:
-            self.drafted_steps += 1
+        if self.step < self.exploring_until:
+            draft = not self.drafting  # exploring the other mode
+        elif self.step == self.exploring_until:
+            self._settle()
+            draft = self.drafting
+        elif not self.drafting and 4 * num_reqs <= 3 * self.switch_batch:
+            self._explore(num_reqs)  # fewer requests: drafting may pay again
+            draft = True
+        elif self.step >= self.explore_at and self._worth_exploring():
+            self._explore(num_reqs)
+            draft = not self.drafting
         else:
-            self.skipped_steps += 1
+            draft = self.drafting
+        self.drafted_steps += draft
+        self.skipped_steps += not draft
         return draft
+
+    def record_round(self, *, drafted: bool, tokens: float, ms: float) -> None:
+        """The round of the previous step: whether it drafted, the tokens its
+        verification emitted and the ms from its propose to this one."""
+        if ms > 0:
+            (self.draft_rate if drafted else self.skip_rate).add(tokens, ms, self.step)
 
     def record_draft(
         self,
@@ -60,37 +101,49 @@ class DraftGate:
         verify_ms: float,
         draft_ms: float,
         plain_verify_ms: float,
-    ) -> bool:
-        """After a drafting step: decide whether the next steps draft. Returns
-        whether drafting won (its expected tokens per ms beat plain decoding's)."""
+    ) -> float:
+        """After a drafting step: the cost model's estimate of drafting's tokens per
+        ms over plain decoding's (used to decide whether skipping is worth a try).
+        Returns that ratio."""
         rate_draft = expected_tokens / max(verify_ms + draft_ms, 1e-6)
         rate_plain = num_reqs / max(plain_verify_ms + self.context_ms, 1e-6)
-        won = rate_draft >= rate_plain
-        if won:
-            self.skipping, self.interval = False, self.min_interval
+        self.model_ratio = rate_draft / max(rate_plain, 1e-9)
+        return self.model_ratio
+
+    def record_skip(self, context_ms: float) -> None:
+        """After a skipped step: the context-only propose time it took."""
+        a = self.ema if self.context_ms else 1.0
+        self.context_ms += a * (context_ms - self.context_ms)
+
+    def _worth_exploring(self) -> bool:
+        if not self.drafting:
             return True
-        if self.skipping:  # a probe that lost again: back off
+        return self.model_ratio is None or self.model_ratio < self.sure_margin
+
+    def _explore(self, num_reqs: int) -> None:
+        # +1: the last exploring step's round is only credited at the next step.
+        self.exploring_until = self.step + self.explore_steps + 1
+        self.switch_batch = num_reqs
+
+    def _settle(self) -> None:
+        """End of an exploration: follow whichever mode delivered more."""
+        d, s = self.draft_rate.per_ms, self.skip_rate.per_ms
+        best = self.drafting if d is None or s is None else d >= s
+        if best == self.drafting:
             self.interval = min(2 * self.interval, self.max_interval)
         else:
-            self.interval = self.min_interval
-        self.skipping = True
-        self.probe_at = self.step + self.interval
-        self.decided_batch = num_reqs
-        return False
-
-    def record_skip(self, context_ms: float, ema: float = 0.2) -> None:
-        """After a skipped step: the context-only propose time it took."""
-        if self.context_ms == 0.0:
-            self.context_ms = context_ms
-        else:
-            self.context_ms += ema * (context_ms - self.context_ms)
+            self.drafting, self.interval = best, self.min_interval
+        self.explore_at = self.step + self.interval
 
     def to_dict(self) -> dict:
         return {
-            "skipping": self.skipping,
+            "drafting": self.drafting,
             "interval": self.interval,
             "drafted_steps": self.drafted_steps,
             "skipped_steps": self.skipped_steps,
+            "draft_tokens_per_ms": self.draft_rate.per_ms,
+            "skip_tokens_per_ms": self.skip_rate.per_ms,
+            "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
         }
 
@@ -112,8 +165,11 @@ class ScriptedDraftGate:
         self.skipped_steps += not draft
         return draft
 
-    def record_draft(self, **_: float) -> bool:
-        return True
+    def record_draft(self, **_: float) -> float:
+        return 1.0
+
+    def record_round(self, **_: float) -> None:
+        pass
 
     def record_skip(self, context_ms: float) -> None:
         pass

@@ -4,7 +4,9 @@ The DFlash forward always drafts K tokens per request (one parallel pass). A bud
 policy then picks k_i <= K per request; `take_budgets()` hands them to the runner's
 `take_draft_token_ids` (patched in `patches.py`), which trims each request's drafts
 before the scheduler sees them. The scheduler then schedules `1 + k_i` tokens per
-request and the target verifies a ragged, packed batch.
+request and the target verifies a ragged, packed batch. With `cost_aware` and
+`skip_drafting`, a `DraftGate` may decide before the forward that this step drafts
+nothing: only the context K/V are written and every budget is 0 (draft_gate.py).
 
 The patch in `patches.py` makes vLLM's model runner build this class wherever it
 would build a `DFlashProposer`; without an `adaflash` config section it behaves
@@ -52,7 +54,10 @@ class AdaFlashProposer(DFlashProposer):
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
         self.draft_gate: DraftGate | None = None  # built in load_model
-        self._last_step: tuple[float, frozenset, int] | None = None
+        # (end time, request ids, verified tokens, drafted) of the last step
+        self._last_step: tuple[float, frozenset, int, bool] | None = None
+        self._accepted_total = 0  # the rejection sampler's count at the last step
+        self._last_round: tuple[bool, int, float] | None = None  # drafted, B, start
         self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
@@ -160,10 +165,12 @@ class AdaFlashProposer(DFlashProposer):
             return super().propose(*args, **kwargs)
         num_reqs = cad.batch_size()
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
-        self._observe_step_cost(req_ids, started)
+        accepted = self._observe_step_cost(req_ids, started)
         gate = self.draft_gate
-        if gate is not None and not gate.should_draft(num_reqs):
-            return self._skip_drafting(req_ids, started, **kwargs)
+        if gate is not None:
+            self._credit_round(gate, started, accepted)
+            if not gate.should_draft(num_reqs):
+                return self._skip_drafting(req_ids, started, **kwargs)
         draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
         num_drafts = draft_token_ids.shape[1]
         hidden = self._mask_hidden
@@ -189,7 +196,9 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
-            self._last_step = (now, frozenset(req_ids), verified)
+            self._last_step = (now, frozenset(req_ids), verified, True)
+        if gate is not None:
+            self._last_round = (True, num_reqs, started)
         return draft_token_ids
 
     def _skip_drafting(
@@ -232,7 +241,8 @@ class AdaFlashProposer(DFlashProposer):
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
-        self._last_step = (now, frozenset(req_ids), len(req_ids))
+        self._last_step = (now, frozenset(req_ids), len(req_ids), False)
+        self._last_round = (False, len(req_ids), started)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
         )
@@ -242,15 +252,37 @@ class AdaFlashProposer(DFlashProposer):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _observe_step_cost(self, req_ids: list[str], started: float) -> None:
+    def _observe_step_cost(self, req_ids: list[str], started: float) -> int:
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
         and verification), when it was a pure decode step of the same batch (so it
-        verified exactly what we chose)."""
+        verified exactly what we chose); and the acceptance calibration from the
+        drafts it accepted."""
         last, self._last_step = self._last_step, None
-        if last is None or self.cost_model is None or frozenset(req_ids) != last[1]:
-            return
+        if self.cost_model is None and self.draft_gate is None:
+            return 0
+        before, self._accepted_total = self._accepted_total, self._sampler_accepted()
+        accepted = self._accepted_total - before  # drafts the last step verified
+        if self.cost_model is None or last is None or frozenset(req_ids) != last[1]:
+            return accepted
         self.cost_model.observe(last[2], 1e3 * (started - last[0]))
+        if last[3] and hasattr(self.budget_policy, "observe_accepted"):
+            self.budget_policy.observe_accepted(accepted)
+        return accepted
+
+    def _credit_round(self, gate, started: float, accepted: int) -> None:
+        """Credit the previous step's round (its propose, then the verification of
+        what it proposed) to the gate: tokens emitted and ms, start to start."""
+        last, self._last_round = self._last_round, None
+        if last is not None:
+            drafted, num_reqs, at = last
+            gate.record_round(
+                drafted=drafted, tokens=num_reqs + accepted, ms=1e3 * (started - at)
+            )
+
+    def _sampler_accepted(self) -> int:
+        sampler = getattr(self._runner, "rejection_sampler", None)
+        return sampler.accepted_total() if hasattr(sampler, "accepted_total") else 0
 
     @override
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:

@@ -64,3 +64,7 @@ class AdaFlashRejectionSampler(RejectionSampler):
         if self._counts is None:
             return {"drafted": [], "accepted": [], "verify_hist": []}
         return {k: v.cpu().tolist() for k, v in self._counts.items()}
+
+    def accepted_total(self) -> int:
+        """Accepted drafts so far (one host sync)."""
+        return 0 if self._counts is None else int(self._counts["accepted"].sum())

@@ -1,73 +1,78 @@
-"""The draft gate on synthetic step timings (no engine)."""
+"""The draft gate on synthetic rounds (no engine)."""
 
 import pytest
 from adaflash_vllm.proposers.draft_gate import DraftGate, ScriptedDraftGate
 
 
-def _draft_step(gate, *, b=64, tokens, verify_ms=40.0, draft_ms=20.0, plain_ms=30.0):
-    return gate.record_draft(
-        num_reqs=b,
-        expected_tokens=tokens,
-        verify_ms=verify_ms,
-        draft_ms=draft_ms,
-        plain_verify_ms=plain_ms,
-    )
+def _serve(gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0):
+    """Run `steps` steps where a drafting round emits `draft_rate` tokens per ms and
+    a skipped one `skip_rate`; returns the modes chosen."""
+    modes = []
+    last = None
+    for _ in range(steps):
+        if last is not None:
+            rate = draft_rate if last else skip_rate
+            gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
+        last = gate.should_draft(b)
+        if last:
+            gate.model_ratio = model_ratio
+        modes.append(last)
+    return modes
 
 
-def _run(gate, steps, b=64):
-    return [gate.should_draft(b) for _ in range(steps)]
+def test_keeps_drafting_when_drafting_delivers_more():
+    gate = DraftGate(min_interval=8, explore_steps=3)
+    modes = _serve(gate, 200, draft_rate=2.0, skip_rate=1.0)
+    assert gate.drafting
+    # explorations of skipping (4 rounds each) back off: 8, 16, 32, 64, 128 steps
+    assert 0 < modes.count(False) <= 5 * 4
+    assert gate.interval == 128
 
 
-def test_drafts_while_drafting_pays():
-    gate = DraftGate()
-    for _ in range(20):
-        assert gate.should_draft(64)
-        # 150 tokens in 60 ms beats 64 tokens in 30 ms
-        assert _draft_step(gate, tokens=150.0)
-    assert gate.skipped_steps == 0
+def test_switches_to_skipping_when_plain_decoding_delivers_more():
+    gate = DraftGate(min_interval=8, explore_steps=3)
+    modes = _serve(gate, 200, draft_rate=1.0, skip_rate=1.5)
+    assert not gate.drafting
+    assert modes[-100:].count(True) <= 4 * 2  # only explorations of drafting
+    assert gate.skip_rate.per_ms == pytest.approx(1.5)
 
 
-def test_skips_when_plain_decoding_wins_and_backs_off():
-    gate = DraftGate(min_interval=4, max_interval=16)
-    assert gate.should_draft(64)
-    assert not _draft_step(gate, tokens=100.0)  # 100 / 60 ms < 64 / 30 ms
-    # 3 skipped steps, then a probe on the 4th
-    assert _run(gate, 4) == [False, False, False, True]
-    assert not _draft_step(gate, tokens=100.0)  # the probe lost: interval 8
-    assert _run(gate, 8) == [False] * 7 + [True]
-    assert not _draft_step(gate, tokens=100.0)  # 16
-    assert _run(gate, 16) == [False] * 15 + [True]
-    assert not _draft_step(gate, tokens=100.0)  # capped at 16
-    assert _run(gate, 16) == [False] * 15 + [True]
-    assert _draft_step(gate, tokens=200.0)  # the probe won: draft again
-    assert _run(gate, 5) == [True] * 5
-    assert gate.to_dict()["interval"] == 4
+def test_follows_a_change_in_traffic():
+    gate = DraftGate(min_interval=8, max_interval=32, explore_steps=3)
+    _serve(gate, 150, draft_rate=1.0, skip_rate=1.5)
+    assert not gate.drafting
+    _serve(gate, 150, draft_rate=3.0, skip_rate=1.5)  # e.g. the drafter adapted
+    assert gate.drafting
 
 
-def test_context_cost_counts_against_plain():
-    gate = DraftGate()
-    gate.should_draft(8)
-    # 8 tokens in 10 ms vs 12 in 20 ms: plain wins ...
-    assert not _draft_step(
-        gate, b=8, tokens=12.0, verify_ms=15, draft_ms=5, plain_ms=10
-    )
-    gate.record_skip(15.0)  # ... until skipped steps turn out to cost 15 ms more
-    assert gate.context_ms == 15.0
-    gate.should_draft(8)
-    assert _draft_step(gate, b=8, tokens=12.0, verify_ms=15, draft_ms=5, plain_ms=10)
+def test_sure_model_estimate_never_explores_skipping():
+    gate = DraftGate(min_interval=8, sure_margin=1.5)
+    modes = _serve(gate, 100, draft_rate=2.0, skip_rate=1.0, model_ratio=2.0)
+    assert all(modes) and gate.skip_rate.per_ms is None
 
 
-def test_shrinking_batch_probes_at_once():
+def test_shrinking_batch_explores_drafting_at_once():
     gate = DraftGate(min_interval=8)
-    gate.should_draft(64)
-    _draft_step(gate, tokens=100.0)
-    assert not gate.should_draft(60)
-    assert gate.should_draft(48)  # a quarter fewer requests: re-measure now
+    _serve(gate, 100, draft_rate=1.0, skip_rate=1.5)
+    assert not gate.drafting
+    assert not gate.should_draft(30)
+    assert gate.should_draft(20)  # a quarter fewer requests than at the switch
+
+
+def test_context_time_ema():
+    gate = DraftGate(ema=0.5)
+    gate.record_skip(2.0)
+    gate.record_skip(4.0)
+    assert gate.context_ms == pytest.approx(3.0)
+    ratio = gate.record_draft(
+        num_reqs=8, expected_tokens=12.0, verify_ms=15, draft_ms=5, plain_verify_ms=7
+    )
+    assert ratio == pytest.approx((12 / 20) / (8 / 10))
 
 
 def test_scripted_gate():
     gate = ScriptedDraftGate(3)
-    assert _run(gate, 6) == [False, False, True, False, False, True]
+    assert [gate.should_draft(4) for _ in range(6)] == [False, False, True] * 2
     assert gate.to_dict()["skipped_steps"] == 4
     with pytest.raises(ValueError, match="draft_every"):
         ScriptedDraftGate(0)

@@ -68,6 +68,25 @@ def test_new_version_is_ordered_once_and_recorded(tmp_path):
     assert g["drafter_version"] == 1 and g["trainer_loss"] == 1.5
 
 
+def test_pending_fetch_is_ordered_again_until_applied(tmp_path):
+    """Workers fetch in the background and answer "pending": the same version is
+    ordered again next step, a newer one replaces it, nothing counts as a swap or
+    a failure until a worker applies it."""
+    ctl = _controller(tmp_path)
+    _publish(tmp_path, 1)
+    ctl.poll()
+    order = ctl.take_order()
+    ctl.on_swap_result({"ok": False, "pending": True, "version": 1, "stall_s": 0})
+    assert ctl.version == 0 and ctl.counters.swaps == ctl.counters.swap_failures == 0
+    _publish(tmp_path, 2)
+    ctl.poll()  # version 2 replaces the pending order for 1
+    again = ctl.take_order()
+    assert order.version == 1 and again.version == 2
+    ctl.on_swap_result({"ok": True, "version": 2, "stall_s": 0.001, "via": "push"})
+    assert ctl.version == 2 and ctl.counters.swaps == 1
+    assert ctl.counters.last_swap_stall_ms == 1.0
+
+
 def test_push_info_only_with_a_fresh_trainer_heartbeat(tmp_path):
     ctl = _controller(tmp_path)
     _publish(tmp_path, 1)
