@@ -175,7 +175,9 @@ class AcceptanceCalibration:
 
 class CostAwareBudget:
     """Budgets maximising expected emitted tokens per second (module docstring).
-    Survivals are scaled by the online `calibration` before allocation."""
+    The expected tokens it reports (for the draft gate) are scaled by the online
+    `calibration`; allocation uses the raw survivals (a calibration learnt at one
+    load would otherwise shorten drafts at another, where verification is cheap)."""
 
     def __init__(
         self,
@@ -198,10 +200,14 @@ class CostAwareBudget:
             return self.fallback.choose(
                 req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden_states
             )
-        raw = self.survival(hidden_states).float().cpu()  # [B, K]
-        k_i = self.allocate((raw * self.calibration.factor).clamp(max=1.0), cost)
-        chosen = torch.arange(raw.shape[1]) < torch.tensor(k_i).unsqueeze(-1)
-        self.last_predicted = float(raw[chosen].sum())
+        s = self.survival(hidden_states).float().cpu()  # [B, K]
+        k_i = self.allocate(s, cost)
+        chosen = torch.arange(s.shape[1]) < torch.tensor(k_i).unsqueeze(-1)
+        self.last_predicted = float(s[chosen].sum())
+        # What the draft gate compares with plain decoding: calibrated.
+        self.last_choice["expected_tokens"] = len(k_i) + self.calibration.factor * (
+            self.last_predicted
+        )
         return k_i
 
     def observe_accepted(self, accepted: int) -> None:

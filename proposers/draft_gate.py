@@ -52,7 +52,7 @@ class DraftGate:
     min_interval: int = 8
     max_interval: int = 128
     explore_steps: int = 3
-    sure_margin: float = 1.5  # model says drafting wins by this much: never skip
+    sure_margin: float = 2.0  # model says drafting wins by this much: never skip
     ema: float = 0.3
     drafting: bool = True  # the mode being followed
     interval: int = 8
