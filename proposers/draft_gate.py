@@ -61,11 +61,14 @@ class DraftGate:
     exploring_until: int = 0
     switch_batch: int = 0  # batch size at the last switch / exploration
     model_ratio: float | None = None  # estimated draft/plain rate, last drafting step
-    draft_rate: _Rate = field(default_factory=lambda: _Rate(0.3))
-    skip_rate: _Rate = field(default_factory=lambda: _Rate(0.3))
+    draft_rate: _Rate = field(init=False)
+    skip_rate: _Rate = field(init=False)
     drafted_steps: int = 0
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
+
+    def __post_init__(self) -> None:
+        self.draft_rate, self.skip_rate = _Rate(self.ema), _Rate(self.ema)
 
     def should_draft(self, num_reqs: int) -> bool:
         """Called once per step before proposing."""
