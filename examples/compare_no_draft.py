@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine (two here)
     raw = [
         json.loads(line)["prompt"]
         for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
