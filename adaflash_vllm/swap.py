@@ -260,8 +260,8 @@ class DrafterSwapper:
             fetch.thread.start()
             return _result(order, t0, pending=True)
         self._fetch = None
-        if fetch.error is not None:
-            return _result(order, t0, error=fetch.error)
+        if fetch.error is not None or fetch.state is None:
+            return _result(order, t0, error=fetch.error or "fetch failed")
         try:
             apply_drafter_state(self.model, fetch.state, validated=True)
         except (RuntimeError, ValueError) as e:
@@ -293,8 +293,8 @@ class DrafterSwapper:
 
                 _, fetch.state = load_drafter(order.path)
             validate_state(self.model, fetch.state)
-        except (SwapRejected, OSError, ValueError, RuntimeError) as e:
-            fetch.state, fetch.error = None, str(e)
+        except Exception as e:  # noqa: BLE001  (a background fetch must not die silently)
+            fetch.state, fetch.error = None, f"{type(e).__name__}: {e}"
         fetch.fetch_s = time.perf_counter() - t0
         return fetch
 
