@@ -202,8 +202,8 @@ class CostAwareBudget:
             )
         s = self.survival(hidden_states).float().cpu()  # [B, K]
         k_i = self.allocate(s, cost)
-        chosen = torch.arange(s.shape[1]) < torch.tensor(k_i).unsqueeze(-1)
-        self.last_predicted = float(s[chosen].sum())
+        # allocate's expected tokens are B + the chosen slots' survivals.
+        self.last_predicted = self.last_choice["expected_tokens"] - len(k_i)
         # What the draft gate compares with plain decoding: calibrated.
         self.last_choice["expected_tokens"] = len(k_i) + self.calibration.factor * (
             self.last_predicted
