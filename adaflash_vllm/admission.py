@@ -47,9 +47,9 @@ class AdmissionControl:
             self.max_step_tokens, output.total_num_scheduled_tokens
         )
 
-    def observe_round(self, num_drafts: int) -> None:
-        self._round_tokens += 1 + num_drafts
-        self._rounds += 1
+    def observe_rounds(self, num_drafts: list[int]) -> None:
+        self._round_tokens += len(num_drafts) + sum(num_drafts)
+        self._rounds += len(num_drafts)
 
     def end_step(self, requests_processed: int) -> None:
         b = self.cfg.beta

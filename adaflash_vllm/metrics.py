@@ -38,15 +38,19 @@ class RoundStats:
         self.requests_finished = 0
         self.extra: dict[str, float] = {}  # gauges/counters other modules publish
 
-    def observe_round(self, num_drafts: int, num_accepted: int) -> None:
-        self.rounds += 1
-        self.verified_tokens += 1 + num_drafts
-        self.accepted_tokens += num_accepted
-        self.verified_hist[min(num_drafts, self.num_speculative_tokens)] += 1
-        for j in range(min(num_drafts, self.num_speculative_tokens)):
-            self.drafted_per_pos[j] += 1
-        for j in range(min(num_accepted, self.num_speculative_tokens)):
-            self.accepted_per_pos[j] += 1
+    def observe_rounds(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """One decode step's rounds: request i verified num_drafts[i] drafts and
+        accepted num_accepted[i] of them."""
+        k_max = self.num_speculative_tokens
+        self.rounds += len(num_drafts)
+        self.verified_tokens += len(num_drafts) + sum(num_drafts)
+        self.accepted_tokens += sum(num_accepted)
+        for k, a in zip(num_drafts, num_accepted, strict=True):
+            self.verified_hist[min(k, k_max)] += 1
+            for j in range(min(k, k_max)):
+                self.drafted_per_pos[j] += 1
+            for j in range(min(a, k_max)):
+                self.accepted_per_pos[j] += 1
 
     def snapshot(self) -> dict[str, Any]:
         return {

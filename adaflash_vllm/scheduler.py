@@ -145,18 +145,29 @@ class AdaFlashScheduler(Scheduler):
     ) -> None:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
+        rounds = self.rounds
+        drafts, accepted = [], []  # this step's rounds, for the counters
         for req_id, (_, position, k) in before.items():
             i = index.get(req_id)
-            generated = sampled[i] if (sampled and i is not None) else []
+            generated = sampled[i] if (sampled and i is not None) else None
             if k is None or not generated:  # prefill, or discarded (preempted)
                 continue
-            accepted = min(len(generated) - 1, k)
-            self.rounds.setdefault(req_id, RequestRounds()).add(position, k, accepted)
-            self.round_stats.observe_round(k, accepted)
-            if self.admission is not None:
-                self.admission.observe_round(k)
-            if self.online is not None and k > 0:  # the gate judges drafts only
-                self.online.observe_round(accepted)
+            a = min(len(generated) - 1, k)
+            log = rounds.get(req_id)
+            if log is None:
+                log = rounds[req_id] = RequestRounds()
+            log.add(position, k, a)
+            drafts.append(k)
+            accepted.append(a)
+        if not drafts:
+            return
+        self.round_stats.observe_rounds(drafts, accepted)
+        if self.admission is not None:
+            self.admission.observe_rounds(drafts)
+        if self.online is not None:  # the regression gate judges drafts only
+            for k, a in zip(drafts, accepted, strict=True):
+                if k > 0:
+                    self.online.observe_round(a)
 
     def _forget_finished(
         self, before: dict[str, tuple[Request, int, int | None]]

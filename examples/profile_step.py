@@ -31,14 +31,18 @@ def main() -> None:
             "adaflash:fixed",
             "adaflash:paper",
             "adaflash:cost_aware",
+            "adaflash:no_draft",
         ],
         default="dflash",
-        help="adaflash:MODE is DFlash with AdaFlash's length policy MODE (no online)",
+        help="adaflash:MODE is DFlash with AdaFlash's length policy MODE (no online); "
+        "adaflash:no_draft never drafts (each step only writes the drafter's "
+        "context K/V)",
     )
     p.add_argument("-k", type=int, default=7)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--save", help="also write the raw cProfile stats to this file")
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # profile the engine in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -65,8 +69,11 @@ def main() -> None:
             "num_speculative_tokens": args.k,
         }
     )
+    extra = {}
     if args.config.startswith("adaflash:"):
-        spec["adaflash"] = {"length": {"mode": args.config.split(":")[1]}}
+        mode = args.config.split(":")[1]
+        spec["adaflash"] = {"length": {"mode": "fixed" if mode == "no_draft" else mode}}
+        extra["worker_extension_cls"] = "adaflash_vllm.worker.AdaFlashWorkerExtension"
     llm = LLM(
         model=target,
         dtype="float32",
@@ -75,7 +82,10 @@ def main() -> None:
         max_num_seqs=args.concurrency,
         speculative_config=spec,
         seed=0,
+        **extra,
     )
+    if args.config == "adaflash:no_draft":
+        llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[: args.concurrency], params, use_tqdm=False)  # warm-up
     prof = cProfile.Profile()
@@ -86,6 +96,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = pstats.Stats(prof)
+    if args.save:
+        stats.dump_stats(args.save)
     by_name = {f"{f[0].split('vllm/')[-1]}:{f[2]}": v for f, v in stats.stats.items()}
 
     def cum(suffix: str) -> tuple[int, float]:
