@@ -39,10 +39,16 @@ def _cost_aware(s, cost, k_min=0):
 
 
 def test_geometric_survival_matches_expected_length_and_decays():
-    a = torch.tensor([0.0, 0.3, 0.7, 1.0])
+    a = torch.tensor([0.0, 0.3, 0.7, 1.0, 1e-4, 0.9999, 0.5])
     s = geometric_survival(a, K)
-    assert torch.allclose(s.sum(-1), a * K, atol=1e-3)
+    assert s.shape == (len(a), K)
+    assert torch.allclose(s.sum(-1), a * K, atol=1e-4)
     assert (s[:, 1:] <= s[:, :-1] + 1e-7).all()
+    assert (s >= 0).all() and (s <= 1).all()
+    assert torch.equal(s[0], torch.zeros(K)) and torch.equal(s[3], torch.ones(K))
+    # A geometric decay: every ratio s_{j+1} / s_j is the same rho.
+    ratios = s[1:3, 1:] / s[1:3, :-1]
+    assert torch.allclose(ratios, ratios[:, :1].expand_as(ratios), atol=1e-5)
 
 
 @pytest.mark.parametrize(
