@@ -14,7 +14,10 @@ target verifying its drafts) is timed and credited with the tokens it emitted
 rounds and for skipped ones. The gate follows the better mode and explores the
 other for `explore_steps` rounds every `interval` rounds; an exploration that
 confirms the current mode doubles the interval (up to `max_interval`), one that
-flips it resets the interval. Exploring skips costs a few slow rounds, so it is only
+flips it resets the interval. A decisive result (the winner delivers
+`decisive_margin` times the loser's rate) backs off twice as fast: exploring a mode
+that clearly loses is a few slow rounds each time, which under heavy load are most
+of what the gate costs. Exploring skips costs a few slow rounds, so it is only
 done when the cost model's own estimate (expected tokens per ms from the budgets
 and the step-cost curve) does not already favour drafting by `sure_margin`; a batch
 that shrank by a quarter since the last switch explores drafting at once.
@@ -53,6 +56,7 @@ class DraftGate:
     max_interval: int = 128
     explore_steps: int = 3
     sure_margin: float = 2.0  # model says drafting wins by this much: never skip
+    decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
     ema: float = 0.3
     drafting: bool = True  # the mode being followed
     interval: int = 8
@@ -131,11 +135,16 @@ class DraftGate:
     def _settle(self) -> None:
         """End of an exploration: follow whichever mode delivered more."""
         d, s = self.draft_rate.per_ms, self.skip_rate.per_ms
-        best = self.drafting if d is None or s is None else d >= s
-        if best == self.drafting:
-            self.interval = min(2 * self.interval, self.max_interval)
+        if d is None or s is None:
+            best, grow = self.drafting, 2
         else:
-            self.drafting, self.interval = best, self.min_interval
+            best = d >= s
+            grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
+        if best == self.drafting:
+            self.interval = min(grow * self.interval, self.max_interval)
+        else:
+            self.drafting = best
+            self.interval = min(grow // 2 * self.min_interval, self.max_interval)
         self.explore_at = self.step + self.interval
 
     def to_dict(self) -> dict:

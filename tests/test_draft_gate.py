@@ -24,8 +24,9 @@ def test_keeps_drafting_when_drafting_delivers_more():
     gate = DraftGate(min_interval=8, explore_steps=3)
     modes = _serve(gate, 200, draft_rate=2.0, skip_rate=1.0)
     assert gate.drafting
-    # explorations of skipping (4 rounds each) back off: 8, 16, 32, 64, 128 steps
-    assert 0 < modes.count(False) <= 5 * 4
+    # explorations of skipping (4 rounds each) back off: 8, 32, 128 steps (drafting
+    # wins decisively: 2x the rate)
+    assert 0 < modes.count(False) <= 3 * 4
     assert gate.interval == 128
 
 
@@ -35,6 +36,22 @@ def test_switches_to_skipping_when_plain_decoding_delivers_more():
     assert not gate.drafting
     assert modes[-100:].count(True) <= 4 * 2  # only explorations of drafting
     assert gate.skip_rate.per_ms == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("drafting_wins", [True, False])
+def test_decisive_results_back_off_faster(drafting_wins):
+    """Exploring a clearly losing mode costs less often than a close one."""
+
+    def explorations(margin: float) -> int:
+        gate = DraftGate(min_interval=8, max_interval=512, explore_steps=3)
+        rates = (1.0 * margin, 1.0) if drafting_wins else (1.0, 1.0 * margin)
+        modes = _serve(gate, 1000, draft_rate=rates[0], skip_rate=rates[1])
+        assert gate.drafting == drafting_wins
+        return modes[50:].count(not drafting_wins)
+
+    clear, close = explorations(1.5), explorations(1.1)
+    assert 0 < clear < close
+    assert clear <= 3 * 4  # 4 rounds each at most 3 times (intervals x4 from 16)
 
 
 def test_follows_a_change_in_traffic():
