@@ -80,9 +80,7 @@ class AdaFlashWorkerExtension:
             "cost_profile_error": getattr(drafter, "cost_profile_error", None),
             "last_choice": getattr(policy, "last_choice", None),
             "calibration": (
-                {"factor": policy.calibration.factor, **vars(policy.calibration)}
-                if hasattr(policy, "calibration")
-                else None
+                policy.calibration.to_dict() if hasattr(policy, "calibration") else None
             ),
             "has_length_head": getattr(drafter.model, "length_head", None) is not None,
             "draft_gate": gate.to_dict() if gate is not None else None,

@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 from adaflash_vllm.proposers.cost_model import StepCostModel
+from adaflash_vllm.proposers.ratio_ema import RatioEMA
 
 from adaflash_vllm.config import LengthConfig
 
@@ -167,24 +168,27 @@ class AcceptanceCalibration:
     trained offline can be far off on served traffic, e.g. past end-of-answer)."""
 
     def __init__(self, ema: float = 0.1, bounds: tuple[float, float] = (0.05, 2.0)):
-        self.ema, self.bounds = ema, bounds
-        self.predicted = self.realised = 0.0
-        self.observations = 0
+        self.bounds = bounds
+        self.sums = RatioEMA(ema)  # realised / predicted
 
     @property
     def factor(self) -> float:
-        if self.predicted <= 0:
-            return 1.0
+        ratio = self.sums.ratio()
         lo, hi = self.bounds
-        return min(hi, max(lo, self.realised / self.predicted))
+        return 1.0 if ratio is None else min(hi, max(lo, ratio))
 
     def observe(self, predicted: float, realised: float) -> None:
         """One drafting step: the expected accepted drafts of the chosen budgets
         (uncalibrated survivals) and the drafts verification accepted."""
-        a = self.ema if self.observations else 1.0
-        self.predicted += a * (predicted - self.predicted)
-        self.realised += a * (realised - self.realised)
-        self.observations += 1
+        self.sums.add(realised, predicted)
+
+    def to_dict(self) -> dict:
+        return {
+            "factor": self.factor,
+            "predicted": self.sums.den,
+            "realised": self.sums.num,
+            "observations": self.sums.count,
+        }
 
 
 class CostAwareBudget:

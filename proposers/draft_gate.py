@@ -27,27 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class _Rate:
-    """EMA of tokens and of milliseconds per round (their ratio: tokens per ms)."""
-
-    ema: float
-    tokens: float = 0.0
-    ms: float = 0.0
-    rounds: int = 0
-    at_step: int = -(10**9)  # step of the last round
-
-    def add(self, tokens: float, ms: float, step: int) -> None:
-        a = self.ema if self.rounds else 1.0
-        self.tokens += a * (tokens - self.tokens)
-        self.ms += a * (ms - self.ms)
-        self.rounds += 1
-        self.at_step = step
-
-    @property
-    def per_ms(self) -> float | None:
-        return self.tokens / self.ms if self.rounds and self.ms > 0 else None
+from adaflash_vllm.proposers.ratio_ema import RatioEMA
 
 
 @dataclass
@@ -65,14 +45,15 @@ class DraftGate:
     exploring_until: int = 0
     switch_batch: int = 0  # batch size at the last switch / exploration
     model_ratio: float | None = None  # estimated draft/plain rate, last drafting step
-    draft_rate: _Rate = field(init=False)
-    skip_rate: _Rate = field(init=False)
+    # tokens per ms of drafting rounds and of skipped ones (EMAs of both sums)
+    draft_rate: RatioEMA = field(init=False)
+    skip_rate: RatioEMA = field(init=False)
     drafted_steps: int = 0
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
 
     def __post_init__(self) -> None:
-        self.draft_rate, self.skip_rate = _Rate(self.ema), _Rate(self.ema)
+        self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
 
     def should_draft(self, num_reqs: int) -> bool:
         """Called once per step before proposing."""
@@ -98,7 +79,7 @@ class DraftGate:
         """The round of the previous step: whether it drafted, the tokens its
         verification emitted and the ms from its propose to this one."""
         if ms > 0:
-            (self.draft_rate if drafted else self.skip_rate).add(tokens, ms, self.step)
+            (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
 
     def record_draft(
         self,
@@ -134,7 +115,7 @@ class DraftGate:
 
     def _settle(self) -> None:
         """End of an exploration: follow whichever mode delivered more."""
-        d, s = self.draft_rate.per_ms, self.skip_rate.per_ms
+        d, s = self.draft_rate.ratio(), self.skip_rate.ratio()
         if d is None or s is None:
             best, grow = self.drafting, 2
         else:
@@ -153,8 +134,8 @@ class DraftGate:
             "interval": self.interval,
             "drafted_steps": self.drafted_steps,
             "skipped_steps": self.skipped_steps,
-            "draft_tokens_per_ms": self.draft_rate.per_ms,
-            "skip_tokens_per_ms": self.skip_rate.per_ms,
+            "draft_tokens_per_ms": self.draft_rate.ratio(),
+            "skip_tokens_per_ms": self.skip_rate.ratio(),
             "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
         }

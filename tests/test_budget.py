@@ -3,6 +3,7 @@
 import pytest
 import torch
 from adaflash_vllm.proposers.budget import (
+    AcceptanceCalibration,
     CostAwareBudget,
     DebugRaggedBudget,
     PaperBudget,
@@ -145,3 +146,17 @@ def test_debug_ragged_covers_zero_to_k():
 def test_head_predictor_required_when_asked():
     with pytest.raises(ValueError, match="no length head"):
         make_budget_policy(LengthConfig(mode="paper", predictor="head"), head=None)
+
+
+def test_acceptance_calibration_is_a_ratio_of_sums_within_bounds():
+    cal = AcceptanceCalibration(ema=0.5, bounds=(0.1, 2.0))
+    assert cal.factor == 1.0  # nothing seen yet
+    cal.observe(predicted=10.0, realised=5.0)
+    assert cal.factor == pytest.approx(0.5)
+    # A small step weighs less than a large one (ratio of sums, not of ratios).
+    cal.observe(predicted=2.0, realised=2.0)
+    assert cal.factor == pytest.approx((0.5 * 5 + 0.5 * 2) / (0.5 * 10 + 0.5 * 2))
+    for _ in range(40):
+        cal.observe(predicted=1.0, realised=0.0)
+    assert cal.factor == 0.1  # clamped
+    assert cal.to_dict()["observations"] == 42

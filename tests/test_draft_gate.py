@@ -35,7 +35,7 @@ def test_switches_to_skipping_when_plain_decoding_delivers_more():
     modes = _serve(gate, 200, draft_rate=1.0, skip_rate=1.5)
     assert not gate.drafting
     assert modes[-100:].count(True) <= 4 * 2  # only explorations of drafting
-    assert gate.skip_rate.per_ms == pytest.approx(1.5)
+    assert gate.skip_rate.ratio() == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize("drafting_wins", [True, False])
@@ -65,7 +65,7 @@ def test_follows_a_change_in_traffic():
 def test_sure_model_estimate_never_explores_skipping():
     gate = DraftGate(min_interval=8, sure_margin=1.5)
     modes = _serve(gate, 100, draft_rate=2.0, skip_rate=1.0, model_ratio=2.0)
-    assert all(modes) and gate.skip_rate.per_ms is None
+    assert all(modes) and gate.skip_rate.ratio() is None
 
 
 def test_shrinking_batch_explores_drafting_at_once():
