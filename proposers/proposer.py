@@ -55,7 +55,8 @@ class AdaFlashProposer(DFlashProposer):
         self.cost_profile_error: str | None = None
         self.draft_gate: DraftGate | None = None  # built in load_model
         # (end time, request ids, verified tokens, drafted) of the last step
-        self._last_step: tuple[float, frozenset, int, bool] | None = None
+        # (end of the last propose, its requests, whether it drafted)
+        self._last_step: tuple[float, frozenset, bool] | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step
         self._last_round: tuple[bool, int, float] | None = None  # drafted, B, start
         self._profiling_target_only = False
@@ -165,11 +166,17 @@ class AdaFlashProposer(DFlashProposer):
             return super().propose(*args, **kwargs)
         num_reqs = cad.batch_size()
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
-        accepted = self._observe_step_cost(req_ids, started)
+        accepted = self._observe_step_cost(
+            req_ids, started, kwargs["target_token_ids"].shape[0]
+        )
         gate = self.draft_gate
         if gate is not None:
             self._credit_round(gate, started, accepted)
-            if not gate.should_draft(num_reqs):
+            following = getattr(gate, "drafting", None)
+            draft = gate.should_draft(num_reqs)
+            if following is not None and gate.drafting != following:
+                _log_switch(gate, num_reqs)
+            if not draft:
                 return self._skip_drafting(req_ids, started, **kwargs)
         draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
         num_drafts = draft_token_ids.shape[1]
@@ -185,7 +192,6 @@ class AdaFlashProposer(DFlashProposer):
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
-            verified = sum(1 + k for k in (budgets or [num_drafts] * num_reqs))
             now = self._synced_clock()
             if gate is not None and self.cost_model is not None:
                 choice = self.budget_policy.last_choice
@@ -196,7 +202,7 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
-            self._last_step = (now, frozenset(req_ids), verified, True)
+            self._last_step = (now, frozenset(req_ids), True)
         if gate is not None:
             self._last_round = (True, num_reqs, started)
         return draft_token_ids
@@ -241,7 +247,7 @@ class AdaFlashProposer(DFlashProposer):
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
-        self._last_step = (now, frozenset(req_ids), len(req_ids), False)
+        self._last_step = (now, frozenset(req_ids), False)
         self._last_round = (False, len(req_ids), started)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
@@ -252,21 +258,26 @@ class AdaFlashProposer(DFlashProposer):
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _observe_step_cost(self, req_ids: list[str], started: float) -> int:
+    def _observe_step_cost(
+        self, req_ids: list[str], started: float, num_tokens: int
+    ) -> int:
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
-        and verification), when it was a pure decode step of the same batch (so it
-        verified exactly what we chose); and the acceptance calibration from the
-        drafts it accepted."""
+        of `num_tokens` tokens and verification), whatever its batch: new requests'
+        prefill chunks are tokens the forward processed too. The acceptance
+        calibration learns only from pure decode steps of the same batch (so the
+        drafts verified were exactly those predicted). Returns the drafts the step
+        accepted."""
         last, self._last_step = self._last_step, None
         if self.cost_model is None and self.draft_gate is None:
             return 0
         before, self._accepted_total = self._accepted_total, self._sampler_accepted()
         accepted = self._accepted_total - before  # drafts the last step verified
-        if self.cost_model is None or last is None or frozenset(req_ids) != last[1]:
+        if self.cost_model is None or last is None:
             return accepted
-        self.cost_model.observe(last[2], 1e3 * (started - last[0]))
-        if last[3] and hasattr(self.budget_policy, "observe_accepted"):
+        self.cost_model.observe(num_tokens, 1e3 * (started - last[0]))
+        same_batch = frozenset(req_ids) == last[1]
+        if same_batch and last[2] and hasattr(self.budget_policy, "observe_accepted"):
             self.budget_policy.observe_accepted(accepted)
         return accepted
 
@@ -372,3 +383,16 @@ class AdaFlashProposer(DFlashProposer):
         """Budgets chosen at the last propose (each handed out once)."""
         budgets, self._budgets = self._budgets, None
         return budgets
+
+
+def _log_switch(gate: DraftGate, num_reqs: int) -> None:
+    d, s = gate.draft_rate.ratio(), gate.skip_rate.ratio()
+    logger.info(
+        "AdaFlash draft gate: %s at %d requests (drafting rounds %s, skipped %s "
+        "tokens/ms); next check in %d steps",
+        "drafting again" if gate.drafting else "skipping the drafter",
+        num_reqs,
+        "?" if d is None else f"{d:.3f}",
+        "?" if s is None else f"{s:.3f}",
+        gate.interval,
+    )
