@@ -36,12 +36,8 @@ from adaflash_vllm.config import config_from_additional
 
 logger = init_logger(__name__)
 
-# DFlashProposer internals a step without a draft uses (checked at startup).
-_CONTEXT_ONLY_NEEDS = (
-    "set_inputs_first_pass",
-    "_context_positions_buffer",
-    "_context_slot_mapping_buffer",
-)
+# DFlash model internals a step without a draft uses (checked at startup).
+_CONTEXT_ONLY_NEEDS = ("combine_hidden_states", "precompute_and_store_context_kv")
 
 
 class AdaFlashProposer(DFlashProposer):
@@ -127,11 +123,11 @@ class AdaFlashProposer(DFlashProposer):
                 tp_size,
             )
             return None
-        missing = [n for n in _CONTEXT_ONLY_NEEDS if not hasattr(self, n)]
+        missing = [n for n in _CONTEXT_ONLY_NEEDS if not hasattr(self.model, n)]
         if missing:
             raise RuntimeError(
-                f"AdaFlash skip_drafting needs DFlashProposer.{missing}, which this "
-                f"vLLM does not have; set adaflash.length.skip_drafting to false"
+                f"AdaFlash skip_drafting needs the DFlash model's {missing}, which "
+                f"this vLLM does not have; set adaflash.length.skip_drafting to false"
             )
         return DraftGate()
 
@@ -216,33 +212,25 @@ class AdaFlashProposer(DFlashProposer):
         target_token_ids: torch.Tensor,  # [T] tokens the target just processed
         target_positions: torch.Tensor,  # [T]
         target_hidden_states: torch.Tensor,  # [T, aux layers * target hidden]
-        next_token_ids: torch.Tensor,  # [B]
-        token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata,
-        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        common_attn_metadata,  # of the drafter's KV cache group
         **_unused,
     ) -> torch.Tensor:
         """A step without a draft (see draft_gate.py): write this step's context K/V
         into the drafter's cache, which the next drafting step attends to, skip the
         block forward, and verify 0 drafts per request. Returns [B, K] placeholders
-        (every budget is 0, so none reaches the scheduler)."""
+        (every budget is 0, so none reaches the scheduler).
+
+        The cache slots of the T context tokens are the drafter group's slot mapping
+        for this step (the same block table and positions `set_inputs_first_pass`
+        computes them from, rejected drafts included as it does); the query block's
+        inputs that it also builds are not needed."""
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
-        context_states = self.model.combine_hidden_states(target_hidden_states)
-        self.set_inputs_first_pass(  # context positions and cache slots
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=context_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
         num_context = target_token_ids.shape[0]
         self.model.precompute_and_store_context_kv(
-            context_states,
-            self._context_positions_buffer[:num_context],
-            self._context_slot_mapping_buffer[:num_context],
+            self.model.combine_hidden_states(target_hidden_states),
+            target_positions[:num_context],
+            common_attn_metadata.slot_mapping[:num_context],
         )
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
