@@ -368,6 +368,20 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
         result = self.__dict__.pop("_adaflash_swap_result", None)
         if result is not None and output is not None:
             output.adaflash_swap_result = result
+        gate = getattr(getattr(self, "drafter", None), "draft_gate", None)
+        if gate is not None and output is not None:  # for /metrics (scheduler)
+            output.adaflash_gate = gate_counters(gate)
         return output
 
     return sample_tokens
+
+
+def gate_counters(gate) -> dict[str, int]:
+    """The draft gate's cumulative counters, as the scheduler exports them."""
+    counters = {
+        "draft_gate_drafted_steps": gate.drafted_steps,
+        "draft_gate_skipped_steps": gate.skipped_steps,
+    }
+    if hasattr(gate, "drafting"):  # the mode it follows (a scripted gate has none)
+        counters["draft_gate_drafting"] = int(gate.drafting)
+    return counters

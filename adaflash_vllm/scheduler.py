@@ -52,6 +52,7 @@ class AdaFlashScheduler(Scheduler):
         k = self.vllm_config.speculative_config.num_speculative_tokens
         self.round_stats = RoundStats(k)
         self.rounds: dict[str, RequestRounds] = {}
+        self._gate: dict[str, int] = {}  # the worker's draft-gate counters
         self._publisher = (
             StatsPublisher(runtime.stats_path, self.adaflash.metrics.publish_interval_s)
             if runtime is not None and self.adaflash is not None
@@ -108,7 +109,8 @@ class AdaFlashScheduler(Scheduler):
                 getattr(model_runner_output, "adaflash_swap_result", None)
             )
         finished = self._forget_finished(before)
-        extra = {}
+        self._gate = getattr(model_runner_output, "adaflash_gate", None) or self._gate
+        extra = dict(self._gate)
         if self.admission is not None:
             self.admission.end_step(len(before))
             extra.update(self.admission.gauges())

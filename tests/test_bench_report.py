@@ -112,3 +112,13 @@ def test_online_history_and_training_table(tmp_path):
     assert lines[3].startswith("| online | 1 |") and "| 2.000 |" in lines[3]
     assert "1.00%" in lines[3] and lines[4].endswith("| rolled back: test |")
     assert training_table([{"config": {"name": "plain"}}]) == []
+
+
+def test_gate_extra_is_the_windows_skipped_share():
+    from adaflash_vllm.bench.offline import gate_extra
+
+    before = {"gate_drafted": 10.0, "gate_skipped": 5.0}
+    after = {"gate_drafted": 12.0, "gate_skipped": 11.0}
+    assert gate_extra(before, after) == {"gate_skipped_share": 6 / 8}
+    assert gate_extra(before, before) == {}  # no step in the window
+    assert gate_extra({}, {"drafter_version": 1}) == {}  # no gate exported

@@ -279,11 +279,11 @@ def run_sweep_interleaved(
             for rep in range(repeats):
                 shift = rep % max(1, len(live))
                 for name in live[shift:] + live[:shift]:
-                    tok_s, reqs, summary, _ = measure_level(
+                    tok_s, reqs, summary, extra = measure_level(
                         servers[name], setup.target, batch, level, wl
                     )
                     runs[name].append(tok_s)
-                    last[name] = (reqs, summary)
+                    last[name] = (reqs, summary, extra)
             for name in live:
                 line = add_level_point(
                     results[name], wl, level, runs[name], *last[name]

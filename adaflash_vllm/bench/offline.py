@@ -35,6 +35,9 @@ COUNTERS = {
 GAUGES = {  # AdaFlash online state, exported as gauges (absent without online)
     "drafter_version": "vllm:adaflash_drafter_version",
     "swaps_total": "vllm:adaflash_swaps_total",
+    # the draft gate's counters (absent without skip_drafting)
+    "gate_drafted": "vllm:adaflash_draft_gate_drafted_steps",
+    "gate_skipped": "vllm:adaflash_draft_gate_skipped_steps",
 }
 VECTORS = {
     "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -81,6 +84,17 @@ def swap_extra(before: dict, after: dict) -> dict[str, Any]:
         "drafter_version": int(after["drafter_version"]),
         "swaps": int(after.get("swaps_total", 0) - before.get("swaps_total", 0)),
     }
+
+
+def gate_extra(before: dict, after: dict) -> dict[str, Any]:
+    """The share of a window's steps the draft gate ran without the drafter."""
+    if "gate_skipped" not in after:
+        return {}
+    skipped = after["gate_skipped"] - before.get("gate_skipped", 0)
+    drafted = after["gate_drafted"] - before.get("gate_drafted", 0)
+    if skipped + drafted == 0:
+        return {}
+    return {"gate_skipped_share": skipped / (skipped + drafted)}
 
 
 def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +147,7 @@ def run_shift(
         outs, wall = timed_generate(llm, chunk, params)
         after = read_counters(llm)
         summary = spec_summary(counter_delta(before, after))
-        extra = swap_extra(before, after)
+        extra = swap_extra(before, after) | gate_extra(before, after)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         add_point(
             result,

@@ -17,6 +17,7 @@ from typing import Any
 from adaflash_vllm.bench.offline import (
     GAUGES,
     counter_delta,
+    gate_extra,
     shift_windows,
     spec_summary,
     swap_extra,
@@ -173,7 +174,7 @@ def measure_level(
     after = scrape(server)
     summary = spec_summary(counter_delta(before, after))
     tok_s = sum(r.get("tokens", 0) for r in reqs) / wall
-    return tok_s, reqs, summary, swap_extra(before, after)
+    return tok_s, reqs, summary, swap_extra(before, after) | gate_extra(before, after)
 
 
 def add_level_point(
@@ -183,8 +184,10 @@ def add_level_point(
     runs: list[float],
     reqs: list[dict],
     summary: dict,
+    extra: dict | None = None,
 ) -> str:
-    """Record concurrency `c` (median of `runs`); returns the progress line."""
+    """Record concurrency `c` (median of `runs`; `extra` from the last run, e.g.
+    the draft gate's skipped share); returns the progress line."""
     runs = sorted(runs)
     add_point(
         result,
@@ -194,14 +197,18 @@ def add_level_point(
             requests=len(reqs),
             tok_s=median(runs),
             tok_s_runs=runs,
+            extra=extra or {},
             **_latency_fields(reqs, median(runs)),
             **summary,
         ),
     )
-    return (
+    line = (
         f"C={c:3d} {median(runs):8.1f} tok/s tau {summary['tau']:.2f} "
         f"verify {summary['verify_len']:.2f}"
     )
+    if extra and "gate_skipped_share" in extra:
+        line += f" gate skipped {extra['gate_skipped_share']:.0%} of steps"
+    return line
 
 
 def _latency_fields(reqs: list[dict], tok_s: float) -> dict[str, Any]:

@@ -79,7 +79,8 @@ def test_shift_stream_offline(tiny, tokenizer, prompt_file, tmp_path):
 
 def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     """All servers up at once, measured in turn; one that cannot start is reported
-    failed and the others still run."""
+    failed and the others still run. AdaFlash's draft-gate counters come through
+    `vllm serve`'s /metrics into each point."""
     workload = Workload(
         "sweep",
         [load_phase(str(prompt_file), tokenizer, count=8)],
@@ -88,7 +89,7 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     )
     bad = tmp_path / "bad-adaflash.json"
     bad.write_text(json.dumps({"adaflash": {"no_such_key": 1}}))
-    names = ["plain", "dflash"]
+    names = ["plain", "dflash", "adaflash:cost_aware"]
     summary = run_benchmark(
         setup=_setup(tiny),
         config_names=[*names, f"bad@{bad}"],
@@ -111,6 +112,8 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     assert point["ttft_ms_p50"] > 0 and point["failed_requests"] == 0
     assert point["tau"] > 1.0  # spec-decode counters scraped from /metrics
     assert set(summary["summary"]["dflash"]) == {"1", "4"}
+    ada = json.loads((tmp_path / "adaflash-cost_aware.json").read_text())["points"]
+    assert all(0.0 <= p["extra"]["gate_skipped_share"] <= 1.0 for p in ada)
 
 
 def test_shift_stream_served_records_drafter_versions(

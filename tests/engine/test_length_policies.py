@@ -58,6 +58,12 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         assert all(t > 0 for t in cost["times_ms"]) and cost["observations"] > 0
         choice = budget["last_choice"]
         assert choice["tokens_per_ms"] >= choice["full_k_tokens_per_ms"]
+        # The draft gate's counters reach /metrics (published by the scheduler).
+        gate, m = budget["draft_gate"], policy_llm["metrics"]
+        assert gate["drafted_steps"] > 0
+        assert m["vllm:adaflash_draft_gate_drafted_steps"] == gate["drafted_steps"]
+        assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
+        assert m["vllm:adaflash_draft_gate_drafting"] == int(gate["drafting"])
 
 
 def test_sampler_counts_match_scheduler_counts(policy_llm):
