@@ -17,10 +17,13 @@ confirms the current mode doubles the interval (up to `max_interval`), one that
 flips it resets the interval. A decisive result (the winner delivers
 `decisive_margin` times the loser's rate) backs off twice as fast: exploring a mode
 that clearly loses is a few slow rounds each time, which under heavy load are most
-of what the gate costs. Exploring skips costs a few slow rounds, so it is only
-done when the cost model's own estimate (expected tokens per ms from the budgets
-and the step-cost curve) does not already favour drafting by `sure_margin`; a batch
-that shrank by a quarter since the last switch explores drafting at once.
+of what the gate costs. While drafting, a drop of `shift_drop` in drafting's own
+rate since the last exploration (traffic moved to a domain the drafter knows less)
+starts an exploration at once instead of waiting out the backoff. Exploring skips
+costs a few slow rounds, so it is only done when the cost model's own estimate
+(expected tokens per ms from the budgets and the step-cost curve) does not already
+favour drafting by `sure_margin`; a batch that shrank by a quarter since the last
+switch explores drafting at once.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class DraftGate:
     explore_steps: int = 3
     sure_margin: float = 2.0  # model says drafting wins by this much: never skip
     decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
+    shift_drop: float = 0.25  # drafting's rate fell this much since: explore now
     ema: float = 0.3
     drafting: bool = True  # the mode being followed
     interval: int = 8
@@ -44,6 +48,8 @@ class DraftGate:
     explore_at: int = 8  # step at which the next exploration starts
     exploring_until: int = 0
     switch_batch: int = 0  # batch size at the last switch / exploration
+    settled_at: int = 0  # step of the last exploration's end
+    settled_draft_rate: float | None = None  # drafting's tokens per ms then
     model_ratio: float | None = None  # estimated draft/plain rate, last drafting step
     # tokens per ms of drafting rounds and of skipped ones (EMAs of both sums)
     draft_rate: RatioEMA = field(init=False)
@@ -66,7 +72,9 @@ class DraftGate:
         elif not self.drafting and 4 * num_reqs <= 3 * self.switch_batch:
             self._explore(num_reqs)  # fewer requests: drafting may pay again
             draft = True
-        elif self.step >= self.explore_at and self._worth_exploring():
+        elif (
+            self.step >= self.explore_at or self._draft_rate_fell()
+        ) and self._worth_exploring():
             self._explore(num_reqs)
             draft = not self.drafting
         else:
@@ -127,6 +135,20 @@ class DraftGate:
             self.drafting = best
             self.interval = min(grow // 2 * self.min_interval, self.max_interval)
         self.explore_at = self.step + self.interval
+        self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
+
+    def _draft_rate_fell(self) -> bool:
+        """Drafting, and its rate fell by `shift_drop` since the last exploration
+        (e.g. traffic moved to a domain the drafter knows less): re-check skipping
+        now rather than after a long backoff."""
+        rate, then = self.draft_rate.ratio(), self.settled_draft_rate
+        return (
+            self.drafting
+            and rate is not None
+            and then is not None
+            and self.step >= self.settled_at + self.min_interval
+            and rate < (1.0 - self.shift_drop) * then
+        )
 
     def to_dict(self) -> dict:
         return {

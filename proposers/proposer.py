@@ -54,7 +54,8 @@ class AdaFlashProposer(DFlashProposer):
         # (end of the last propose, its requests, whether it drafted)
         self._last_step: tuple[float, frozenset, bool] | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step
-        self._last_round: tuple[bool, int, float] | None = None  # drafted, B, start
+        # (drafted, its requests, start) of the last step's round, for the gate
+        self._last_round: tuple[bool, frozenset, float] | None = None
         self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
@@ -167,7 +168,7 @@ class AdaFlashProposer(DFlashProposer):
         )
         gate = self.draft_gate
         if gate is not None:
-            self._credit_round(gate, started, accepted)
+            self._credit_round(gate, req_ids, started, accepted)
             following = getattr(gate, "drafting", None)
             draft = gate.should_draft(num_reqs)
             if following is not None and gate.drafting != following:
@@ -200,7 +201,7 @@ class AdaFlashProposer(DFlashProposer):
                 )
             self._last_step = (now, frozenset(req_ids), True)
         if gate is not None:
-            self._last_round = (True, num_reqs, started)
+            self._last_round = (True, frozenset(req_ids), started)
         return draft_token_ids
 
     def _skip_drafting(
@@ -236,7 +237,7 @@ class AdaFlashProposer(DFlashProposer):
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
         self._last_step = (now, frozenset(req_ids), False)
-        self._last_round = (False, len(req_ids), started)
+        self._last_round = (False, frozenset(req_ids), started)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
         )
@@ -252,7 +253,8 @@ class AdaFlashProposer(DFlashProposer):
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
         of `num_tokens` tokens and verification), whatever its batch: new requests'
-        prefill chunks are tokens the forward processed too. The acceptance
+        prefill chunks are tokens the forward processed too (but not after a step
+        that shares no request with the last one: see below). The acceptance
         calibration learns only from pure decode steps of the same batch (so the
         drafts verified were exactly those predicted). Returns the drafts the step
         accepted."""
@@ -261,22 +263,28 @@ class AdaFlashProposer(DFlashProposer):
             return 0
         before, self._accepted_total = self._accepted_total, self._sampler_accepted()
         accepted = self._accepted_total - before  # drafts the last step verified
-        if self.cost_model is None or last is None:
+        batch = frozenset(req_ids)
+        # No request in common with the last step: the engine may have sat idle in
+        # between (every request had finished), which is not the step's cost.
+        if self.cost_model is None or last is None or not batch & last[1]:
             return accepted
         self.cost_model.observe(num_tokens, 1e3 * (started - last[0]))
-        same_batch = frozenset(req_ids) == last[1]
+        same_batch = batch == last[1]
         if same_batch and last[2] and hasattr(self.budget_policy, "observe_accepted"):
             self.budget_policy.observe_accepted(accepted)
         return accepted
 
-    def _credit_round(self, gate, started: float, accepted: int) -> None:
+    def _credit_round(
+        self, gate, req_ids: list[str], started: float, accepted: int
+    ) -> None:
         """Credit the previous step's round (its propose, then the verification of
-        what it proposed) to the gate: tokens emitted and ms, start to start."""
+        what it proposed) to the gate: tokens emitted and ms, start to start. Not
+        when this step shares no request with it: the engine may have sat idle."""
         last, self._last_round = self._last_round, None
-        if last is not None:
-            drafted, num_reqs, at = last
+        if last is not None and not last[1].isdisjoint(req_ids):
+            drafted, batch, at = last
             gate.record_round(
-                drafted=drafted, tokens=num_reqs + accepted, ms=1e3 * (started - at)
+                drafted=drafted, tokens=len(batch) + accepted, ms=1e3 * (started - at)
             )
 
     def _sampler_accepted(self) -> int:

@@ -93,3 +93,24 @@ def test_scripted_gate():
     assert gate.to_dict()["skipped_steps"] == 4
     with pytest.raises(ValueError, match="draft_every"):
         ScriptedDraftGate(0)
+
+
+def test_a_drop_in_drafting_rate_explores_at_once():
+    """Traffic moves to a domain the drafter knows less: drafting's own rate falls,
+    and the gate re-checks skipping without waiting out a long backoff."""
+    gate = DraftGate(min_interval=8, max_interval=512, explore_steps=3)
+    _serve(gate, 300, draft_rate=2.0, skip_rate=1.0)  # prose: drafting wins
+    assert gate.drafting and gate.explore_at > 600  # next check far away
+    modes = _serve(gate, 40, draft_rate=0.7, skip_rate=1.0)  # math
+    assert not gate.drafting
+    # Skipping within 20 steps (the rate's EMA lags, so the first check can still
+    # favour drafting; the next one follows min_interval later, not 512).
+    assert not any(modes[20:34])
+
+
+def test_steady_drafting_rate_keeps_the_backoff():
+    gate = DraftGate(min_interval=8, max_interval=512, explore_steps=3)
+    _serve(gate, 300, draft_rate=2.0, skip_rate=1.0)
+    at = gate.explore_at
+    modes = _serve(gate, 300, draft_rate=1.9, skip_rate=1.0)  # 5% lower: noise
+    assert all(modes) and gate.explore_at == at > gate.step
