@@ -19,7 +19,8 @@ flips it resets the interval. A decisive result (the winner delivers
 that clearly loses is a few slow rounds each time, which under heavy load are most
 of what the gate costs. While drafting, a drop of `shift_drop` in drafting's own
 rate since the last exploration (traffic moved to a domain the drafter knows less)
-starts an exploration at once instead of waiting out the backoff. Exploring skips
+that leaves it within `decisive_margin` of skipping's last measured rate starts an
+exploration at once instead of waiting out the backoff. Exploring skips
 costs a few slow rounds, so it is only done when the cost model's own estimate
 (expected tokens per ms from the budgets and the step-cost curve) does not already
 favour drafting by `sure_margin`; a batch that shrank by a quarter since the last
@@ -138,16 +139,21 @@ class DraftGate:
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
 
     def _draft_rate_fell(self) -> bool:
-        """Drafting, and its rate fell by `shift_drop` since the last exploration
-        (e.g. traffic moved to a domain the drafter knows less): re-check skipping
-        now rather than after a long backoff."""
+        """Drafting, its rate fell by `shift_drop` since the last exploration (e.g.
+        traffic moved to a domain the drafter knows less), and it is no longer a
+        decisive win over skipping's last measured rate: re-check skipping now
+        rather than after a long backoff. (Where drafting wins by far, as at low
+        load, its noisy rate never comes near skipping's and this never fires.)"""
         rate, then = self.draft_rate.ratio(), self.settled_draft_rate
+        skip = self.skip_rate.ratio()
         return (
             self.drafting
             and rate is not None
             and then is not None
+            and skip is not None
             and self.step >= self.settled_at + self.min_interval
             and rate < (1.0 - self.shift_drop) * then
+            and rate < self.decisive_margin * skip
         )
 
     def to_dict(self) -> dict:

@@ -50,7 +50,6 @@ class AdaFlashProposer(DFlashProposer):
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
         self.draft_gate: DraftGate | None = None  # built in load_model
-        # (end time, request ids, verified tokens, drafted) of the last step
         # (end of the last propose, its requests, whether it drafted)
         self._last_step: tuple[float, frozenset, bool] | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step

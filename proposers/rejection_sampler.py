@@ -5,10 +5,10 @@ is checked against its own drafts only). A step that verifies no draft at all (t
 draft gate skipped drafting, or every budget was 0) has nothing to reject: it only
 samples the bonus token, exactly as vLLM's rejection sampler would, without the
 rest of its machinery (the step then costs what a plain decode step's sampling
-costs). This subclass counts, on the device and
-without host syncs, drafted and accepted tokens per draft position and the
-distribution of per-request verify lengths `1 + k_i`: an independent, worker-side
-record of what the ragged batches really verified (the scheduler keeps its own).
+costs). This subclass counts, on the device and without host syncs, drafted and
+accepted tokens per draft position and the distribution of per-request verify
+lengths `1 + k_i`: an independent, worker-side record of what the ragged batches
+really verified (the scheduler keeps its own).
 
 Shape symbols: B requests in the step, K max drafts per request.
 """

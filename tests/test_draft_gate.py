@@ -1,5 +1,7 @@
 """The draft gate on synthetic rounds (no engine)."""
 
+import random
+
 import pytest
 from adaflash_vllm.proposers.draft_gate import DraftGate, ScriptedDraftGate
 
@@ -114,3 +116,20 @@ def test_steady_drafting_rate_keeps_the_backoff():
     at = gate.explore_at
     modes = _serve(gate, 300, draft_rate=1.9, skip_rate=1.0)  # 5% lower: noise
     assert all(modes) and gate.explore_at == at > gate.step
+
+
+def test_noisy_drafting_rate_far_above_skipping_never_triggers():
+    """Low load: drafting's rate swings from round to round (mostly 1.3 tokens per
+    ms, now and then 9) but never comes near skipping's (1.0): only the scheduled
+    explorations run (a trigger on the drop alone would add more)."""
+    rng = random.Random(0)
+    gate = DraftGate(min_interval=8, max_interval=512, explore_steps=3)
+    last, skipped = None, 0
+    for _ in range(1000):
+        if last is not None:
+            rate = rng.choice((1.3, 1.3, 1.3, 1.3, 9.0)) if last else 1.0
+            gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
+        last = gate.should_draft(1)
+        skipped += not last
+    assert gate.drafting
+    assert skipped == 4 * 4  # explorations at steps 8, ~44, ~176, ~692
