@@ -17,7 +17,14 @@ from collections.abc import Callable
 class StepCostModel:
     """Piecewise-linear step time (ms) over verified tokens n, refreshed online."""
 
-    def __init__(self, sizes: list[int], times_ms: list[float], *, ema: float = 0.3):
+    def __init__(
+        self,
+        sizes: list[int],
+        times_ms: list[float],
+        *,
+        ema: float = 0.3,
+        max_step_ratio: float = 2.0,
+    ):
         if (
             len(sizes) < 2
             or sorted(sizes) != list(sizes)
@@ -29,6 +36,10 @@ class StepCostModel:
         self.sizes = list(sizes)
         self.times_ms = [float(t) for t in times_ms]
         self.ema = ema
+        # One observation counts as at most this many times (or 1/this) the curve:
+        # a hiccup (a GC pause, the OS) must not lift a point the budgets then avoid
+        # and never measure again; a real change still converges, step by step.
+        self.max_step_ratio = max_step_ratio
         self.observations = 0
 
     def _bracket(self, n: float) -> tuple[int, float]:
@@ -45,11 +56,13 @@ class StepCostModel:
     def observe(self, n: int, ms: float) -> None:
         """Move the curve at n toward a measured step (n tokens, ms): both table
         points around n, each by its interpolation weight (clamped outside the
-        table), so that cost(n) itself converges to what steps take."""
+        table), so that cost(n) itself converges to what steps take. The step's
+        ratio to the curve is bounded by `max_step_ratio`."""
         if ms <= 0 or n <= 0:
             return
         i, w = self._bracket(n)
-        ratio = ms / self(n)
+        bound = self.max_step_ratio
+        ratio = min(bound, max(1.0 / bound, ms / self(n)))
         for j, weight in ((i - 1, 1.0 - w), (i, w)):
             weight = min(1.0, max(0.0, weight))
             self.times_ms[j] *= 1.0 + self.ema * weight * (ratio - 1.0)

@@ -251,9 +251,8 @@ class AdaFlashProposer(DFlashProposer):
     ) -> int:
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
-        of `num_tokens` tokens and verification), whatever its batch: new requests'
-        prefill chunks are tokens the forward processed too (but not after a step
-        that shares no request with the last one: see below). The acceptance
+        of `num_tokens` tokens and verification) when it ran no new request, even
+        if some had finished (those steps are common under load). The acceptance
         calibration learns only from pure decode steps of the same batch (so the
         drafts verified were exactly those predicted). Returns the drafts the step
         accepted."""
@@ -263,9 +262,17 @@ class AdaFlashProposer(DFlashProposer):
         before, self._accepted_total = self._accepted_total, self._sampler_accepted()
         accepted = self._accepted_total - before  # drafts the last step verified
         batch = frozenset(req_ids)
-        # No request in common with the last step: the engine may have sat idle in
-        # between (every request had finished), which is not the step's cost.
-        if self.cost_model is None or last is None or not batch & last[1]:
+        # Only steps that ran requests already in the last one (some may have
+        # finished): a new request brings a prompt chunk, and a step with nothing in
+        # common may follow idle time (every request had finished). Token counts
+        # past the table would all land on its last point.
+        if (
+            self.cost_model is None
+            or last is None
+            or not batch
+            or not batch <= last[1]
+            or num_tokens > self.cost_model.sizes[-1]
+        ):
             return accepted
         self.cost_model.observe(num_tokens, 1e3 * (started - last[0]))
         same_batch = batch == last[1]

@@ -131,6 +131,19 @@ def test_profile_and_online_refresh():
     assert model(16) > 2 * before and model.observations == 20
 
 
+def test_one_hiccup_moves_the_curve_a_bounded_step():
+    """A single 100x step (a GC pause, the OS) moves cost(n) by at most
+    ema * (max_step_ratio - 1); steady 3x steps still converge to 3x."""
+    model = StepCostModel([1, 8, 64], [10.0, 12.0, 30.0], ema=0.3)
+    model.observe(8, 1200.0)
+    assert model(8) == pytest.approx(12.0 * 1.3)
+    model.observe(8, 12.0 * 1.3 / 100)  # and a 100x too fast one
+    assert model(8) == pytest.approx(12.0 * 1.3 * 0.85)
+    for _ in range(60):
+        model.observe(8, 36.0)
+    assert model(8) == pytest.approx(36.0, rel=1e-3)
+
+
 def test_debug_ragged_covers_zero_to_k():
     policy = DebugRaggedBudget()
     seen = set()
