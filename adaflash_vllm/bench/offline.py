@@ -32,7 +32,7 @@ COUNTERS = {
     "verified": "vllm:adaflash_verified_tokens",
     "ada_accepted": "vllm:adaflash_accepted_tokens",
 }
-GAUGES = {  # AdaFlash online state, exported as gauges (absent without online)
+GAUGES = {  # AdaFlash state exported as gauges (absent where the feature is off)
     "drafter_version": "vllm:adaflash_drafter_version",
     "swaps_total": "vllm:adaflash_swaps_total",
     # the draft gate's counters (absent without skip_drafting)
