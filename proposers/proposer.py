@@ -18,6 +18,7 @@ Shape symbols: B requests, K drafts per request, H drafter hidden size.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
@@ -40,6 +41,16 @@ logger = init_logger(__name__)
 _CONTEXT_ONLY_NEEDS = ("combine_hidden_states", "precompute_and_store_context_kv")
 
 
+class _Propose(NamedTuple):
+    """The last propose: when it started and ended, its requests, whether it
+    drafted. The step after it times its cost and credits its round from this."""
+
+    started: float
+    ended: float
+    batch: frozenset[str]
+    drafted: bool
+
+
 class AdaFlashProposer(DFlashProposer):
     """DFlash proposer that returns ragged per-request draft budgets."""
 
@@ -50,11 +61,8 @@ class AdaFlashProposer(DFlashProposer):
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
         self.draft_gate: DraftGate | None = None  # built in load_model
-        # (end of the last propose, its requests, whether it drafted)
-        self._last_step: tuple[float, frozenset, bool] | None = None
+        self._last_propose: _Propose | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step
-        # (drafted, its requests, start) of the last step's round, for the gate
-        self._last_round: tuple[bool, frozenset, float] | None = None
         self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
@@ -162,18 +170,20 @@ class AdaFlashProposer(DFlashProposer):
             return super().propose(*args, **kwargs)
         num_reqs = cad.batch_size()
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
+        batch = frozenset(req_ids)
+        last, self._last_propose = self._last_propose, None
         accepted = self._observe_step_cost(
-            req_ids, started, kwargs["target_token_ids"].shape[0]
+            last, batch, started, kwargs["target_token_ids"].shape[0]
         )
         gate = self.draft_gate
         if gate is not None:
-            self._credit_round(gate, req_ids, started, accepted)
+            self._credit_round(gate, last, batch, started, accepted)
             following = getattr(gate, "drafting", None)
             draft = gate.should_draft(num_reqs)
             if following is not None and gate.drafting != following:
                 _log_switch(gate, num_reqs)
             if not draft:
-                return self._skip_drafting(req_ids, started, **kwargs)
+                return self._skip_drafting(req_ids, batch, started, **kwargs)
         draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
         num_drafts = draft_token_ids.shape[1]
         hidden = self._mask_hidden
@@ -198,14 +208,13 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
-            self._last_step = (now, frozenset(req_ids), True)
-        if gate is not None:
-            self._last_round = (True, frozenset(req_ids), started)
+            self._last_propose = _Propose(started, now, batch, True)
         return draft_token_ids
 
     def _skip_drafting(
         self,
         req_ids: list[str],
+        batch: frozenset[str],
         started: float,
         *,
         num_speculative_tokens: int,
@@ -235,8 +244,7 @@ class AdaFlashProposer(DFlashProposer):
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
-        self._last_step = (now, frozenset(req_ids), False)
-        self._last_round = (False, frozenset(req_ids), started)
+        self._last_propose = _Propose(started, now, batch, False)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
         )
@@ -247,7 +255,11 @@ class AdaFlashProposer(DFlashProposer):
         return time.perf_counter()
 
     def _observe_step_cost(
-        self, req_ids: list[str], started: float, num_tokens: int
+        self,
+        last: _Propose | None,
+        batch: frozenset[str],
+        started: float,
+        num_tokens: int,
     ) -> int:
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
@@ -256,12 +268,10 @@ class AdaFlashProposer(DFlashProposer):
         calibration learns only from pure decode steps of the same batch (so the
         drafts verified were exactly those predicted). Returns the drafts the step
         accepted."""
-        last, self._last_step = self._last_step, None
         if self.cost_model is None and self.draft_gate is None:
             return 0
         before, self._accepted_total = self._accepted_total, self._sampler_accepted()
         accepted = self._accepted_total - before  # drafts the last step verified
-        batch = frozenset(req_ids)
         # Only steps that ran requests already in the last one (some may have
         # finished): a new request brings a prompt chunk, and a step with nothing in
         # common may follow idle time (every request had finished). Token counts
@@ -270,27 +280,36 @@ class AdaFlashProposer(DFlashProposer):
             self.cost_model is None
             or last is None
             or not batch
-            or not batch <= last[1]
+            or not batch <= last.batch
             or num_tokens > self.cost_model.sizes[-1]
         ):
             return accepted
-        self.cost_model.observe(num_tokens, 1e3 * (started - last[0]))
-        same_batch = batch == last[1]
-        if same_batch and last[2] and hasattr(self.budget_policy, "observe_accepted"):
+        self.cost_model.observe(num_tokens, 1e3 * (started - last.ended))
+        same_batch = batch == last.batch
+        if (
+            same_batch
+            and last.drafted
+            and hasattr(self.budget_policy, "observe_accepted")
+        ):
             self.budget_policy.observe_accepted(accepted)
         return accepted
 
     def _credit_round(
-        self, gate, req_ids: list[str], started: float, accepted: int
+        self,
+        gate,
+        last: _Propose | None,
+        batch: frozenset[str],
+        started: float,
+        accepted: int,
     ) -> None:
         """Credit the previous step's round (its propose, then the verification of
         what it proposed) to the gate: tokens emitted and ms, start to start. Not
         when this step shares no request with it: the engine may have sat idle."""
-        last, self._last_round = self._last_round, None
-        if last is not None and not last[1].isdisjoint(req_ids):
-            drafted, batch, at = last
+        if last is not None and not last.batch.isdisjoint(batch):
             gate.record_round(
-                drafted=drafted, tokens=len(batch) + accepted, ms=1e3 * (started - at)
+                drafted=last.drafted,
+                tokens=len(last.batch) + accepted,
+                ms=1e3 * (started - last.started),
             )
 
     def _sampler_accepted(self) -> int:
