@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import MAX_MODEL_LEN, rebuild_report, run_benchmark
-from adaflash_vllm.bench.workloads import Workload, load_phase
+from adaflash_vllm.bench.workloads import Workload, load_phase, parse_phase
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
@@ -43,7 +43,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts", default="prose", help="sweep prompt set (name or JSONL)"
     )
-    p.add_argument("--phases", default="prose,math,code", help="shift: sets in order")
+    p.add_argument(
+        "--phases",
+        default="prose,math,code",
+        help="shift: phases in order, each SET[+SET...][:COUNT]",
+    )
     p.add_argument(
         "--per-phase", type=int, default=32, help="shift: requests per phase"
     )
@@ -73,10 +77,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
     fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
-        names = [n for n in args.phases.split(",") if n]
+        specs = [parse_phase(n, args.per_phase) for n in args.phases.split(",") if n]
         phases = [
-            load_phase(n, tokenizer, count=args.per_phase, max_prompt_tokens=fit)
-            for n in names
+            load_phase(n, tokenizer, count=count, max_prompt_tokens=fit)
+            for n, count in specs
         ]
         return Workload(
             "shift",

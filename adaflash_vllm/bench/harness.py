@@ -154,7 +154,12 @@ def _served_result(
         workload=workload_json(workload)
         | {
             "phases": [
-                {"name": p.name, "count": len(p.prompts), "skipped": p.skipped}
+                {
+                    "name": p.name,
+                    "count": len(p.prompts),
+                    "skipped": p.skipped,
+                    "repeated": p.repeated,
+                }
                 for p in workload.phases
             ]
         },

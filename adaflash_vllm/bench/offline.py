@@ -236,7 +236,12 @@ def main(job_path: str) -> None:
         workload={k: v for k, v in workload.items() if k != "phases"}
         | {
             "phases": [
-                {"name": p["name"], "count": len(p["prompts"]), "skipped": p["skipped"]}
+                {
+                    "name": p["name"],
+                    "count": len(p["prompts"]),
+                    "skipped": p["skipped"],
+                    "repeated": p["repeated"],
+                }
                 for p in workload["phases"]
             ]
         },

@@ -35,6 +35,7 @@ class Phase:
     name: str
     prompts: list[str]  # chat-templated, ready for the engine
     skipped: int = 0  # prompts of the set left out as too long for the engine
+    repeated: int = 0  # requests whose prompt came earlier in the phase
 
 
 @dataclass
@@ -65,11 +66,17 @@ def load_phase(
 ) -> Phase:
     """`count` prompts of set `name` (after `offset`), chat-templated.
 
+    `name` may join sets with `+`: their prompts in that order. A stream longer
+    than the set cycles it (how many requests repeat a prompt is in
+    `Phase.repeated`).
+
     With `max_prompt_tokens`, prompts longer than that (templated, in tokens) are
     left out first, so that no request of the stream is one the engine must refuse
     (prompt + output over the context length); how many is in `Phase.skipped`.
     """
-    records = load_prompts(prompt_set_path(name))
+    records = [
+        r for part in name.split("+") for r in load_prompts(prompt_set_path(part))
+    ]
     if seed is not None:
         random.Random(seed).shuffle(records)
     texts = chat_prompts(tokenizer, [r["prompt"] for r in records])
@@ -85,5 +92,26 @@ def load_phase(
     chosen = texts[offset : offset + count]
     if len(chosen) < count:  # cycle small sets rather than fail a long stream
         chosen = (texts * (count // max(1, len(texts)) + 2))[offset : offset + count]
-    label = Path(name).stem if name not in BUNDLED_SETS else name
-    return Phase(label, chosen, skipped)
+    repeated = len(chosen) - len(set(chosen))
+    return Phase(_label(name), chosen, skipped, repeated)
+
+
+def _label(name: str) -> str:
+    return "+".join(
+        part if part in BUNDLED_SETS else Path(part).stem for part in name.split("+")
+    )
+
+
+def parse_phase(spec: str, default_count: int) -> tuple[str, int]:
+    """`SET[+SET...][:COUNT]` -> (sets, count): one phase of a `shift` stream.
+
+    `+` serves several sets one after the other as one phase (e.g. two prompt
+    files of one domain, for a long phase without repeats); `:COUNT` overrides
+    `--per-phase` for this phase.
+    """
+    name, sep, count = spec.rpartition(":")
+    if not sep or not count.isdigit():
+        return spec, default_count
+    if not name or int(count) < 1:
+        raise AdaFlashConfigError(f"phase {spec!r}: expected SET[:COUNT], COUNT >= 1")
+    return name, int(count)

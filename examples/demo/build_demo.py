@@ -8,7 +8,7 @@ Then check the target in vLLM: `python examples/demo/check_target.py`.
 
 Stages (each skips work whose output exists, unless --force):
     data       examples/demo/data/: prompt sets, train_target.jsonl, licenses,
-               ATTRIBUTION.md (demo_data.py). ~3.9 MB, a few seconds.
+               ATTRIBUTION.md (demo_data.py). ~4.3 MB, a few seconds.
     tokenizer  byte-level BPE, 4096 tokens, trained on train_target.jsonl
                (demo_target.py), saved into examples/demo/target/. ~30 s.
     target     examples/demo/target/: Qwen3ForCausalLM, ~5.8 M parameters, bf16

@@ -44,7 +44,7 @@ from pathlib import Path
 
 SEED = 20240601
 DEFAULT_SHARED = Path("/work/shared/data")
-SIZE_CAP = 4_000_000  # bytes, the whole data folder
+SIZE_CAP = 4_500_000  # bytes, the whole data folder
 N_PROMPTS = 300  # per domain, prompts_{prose,math,code}
 N_GSM8K_TEST = 500  # gsm8k_test_prompts; prompts_math is its first N_PROMPTS
 GSM8K_TARGET = 1900  # GSM8K train items in train_target
@@ -238,6 +238,12 @@ def _math(build: DataBuild, train: list[dict], shared: Path) -> None:
         {"id": test[i]["id"], "domain": "math", "prompt": test[i]["prompt"]}
         for i in sorted(order)
     ]
+    # The rest of GSM8K test: with gsm8k_test_prompts and gsm8k_train_prompts, a
+    # long math phase without repeats (online adaptation).
+    build.files["gsm8k_more_prompts.jsonl"] = [
+        {"id": test[i]["id"], "domain": "math", "prompt": test[i]["prompt"]}
+        for i in sorted(set(range(len(test))) - set(order))
+    ]
     gtrain = _load(shared, "gsm8k/train.jsonl")
     order = list(range(len(gtrain)))
     rng.shuffle(order)
@@ -251,7 +257,8 @@ def _math(build: DataBuild, train: list[dict], shared: Path) -> None:
     build.notes.append(
         f"math: GSM8K test {len(test)} -> {N_GSM8K_TEST} seeded -> "
         f"gsm8k_test_prompts, whose first {N_PROMPTS} (same seeded order) -> "
-        f"prompts_math. GSM8K train {len(gtrain)} -> seeded permutation: "
+        f"prompts_math; the other {len(test) - N_GSM8K_TEST} -> gsm8k_more_prompts. "
+        f"GSM8K train {len(gtrain)} -> seeded permutation: "
         f"{GSM8K_TARGET} -> train_target, the next {GSM8K_PROMPTS} -> "
         f"gsm8k_train_prompts (disjoint; the other "
         f"{len(gtrain) - GSM8K_TARGET - GSM8K_PROMPTS} left out for the size cap). "
@@ -273,14 +280,24 @@ def _code(build: DataBuild, train: list[dict], shared: Path) -> None:
         for i in picked
     ]
     n = 0
+    rest = []
     for split in ["train", "validation", "prompt"]:
         for r in _load(shared, f"mbpp/{split}.jsonl"):
             train.append(_pair(r, "code"))
+            rest.append(r)
             n += 1
+    # A longer code phase (online adaptation): the other MBPP prompts, test split
+    # first (the target never saw those); serve it after prompts_code.
+    build.files["mbpp_more_prompts.jsonl"] = [
+        {"id": r["id"], "domain": "code", "prompt": r["prompt"]}
+        for r in [test[i] for i in range(len(test)) if i not in set(picked)] + rest
+    ]
     build.notes.append(
         f"code: MBPP test {len(test)} -> {N_PROMPTS} seeded -> prompts_code "
-        f"(the other {len(test) - N_PROMPTS} unused); MBPP train+validation+prompt "
-        f"{n} -> train_target (all)."
+        f"(the other {len(test) - N_PROMPTS} -> mbpp_more_prompts); MBPP "
+        f"train+validation+prompt {n} -> train_target (all) and mbpp_more_prompts "
+        f"(after the test ones; prompts_code + mbpp_more_prompts = all of MBPP, "
+        f"a long code stream without repeats)."
     )
 
 
@@ -317,6 +334,8 @@ def _check_disjoint(files: dict[str, list[dict]]) -> None:
     )
     for name, rows in files.items():
         if name in ("train_target.jsonl", "gsm8k_train_prompts.jsonl"):
+            continue
+        if name == "mbpp_more_prompts.jsonl":  # holds train_target's MBPP on purpose
             continue
         clash = [r["id"] for r in rows if _norm(r["prompt"]) in train_prompts]
         assert not clash, f"{name}: prompts also in train_target: {clash[:5]}"

@@ -1,0 +1,52 @@
+"""Phase specs of the `shift` stream: joined sets, per-phase counts, repeats."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from adaflash_vllm.bench.workloads import REPO_ROOT, load_phase, parse_phase
+from adaflash_vllm.errors import AdaFlashConfigError
+
+
+def test_parse_phase_count_and_default():
+    assert parse_phase("math", 240) == ("math", 240)
+    assert parse_phase("math+a/b.jsonl:2000", 240) == ("math+a/b.jsonl", 2000)
+    # a colon that is not a count belongs to the path
+    assert parse_phase("C:/x.jsonl", 7) == ("C:/x.jsonl", 7)
+    with pytest.raises(AdaFlashConfigError):
+        parse_phase("math:0", 240)
+    with pytest.raises(AdaFlashConfigError):
+        parse_phase(":12", 240)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(REPO_ROOT / "examples" / "demo" / "target")
+
+
+def _write(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_joined_sets_in_order_then_cycled(tmp_path, tokenizer):
+    a = _write(tmp_path / "a.jsonl", ["one", "two"])
+    b = _write(tmp_path / "b.jsonl", ["three"])
+    phase = load_phase(f"{a}+{b}", tokenizer, count=5)
+    assert phase.name == "a+b"
+    assert [p for p in phase.prompts] == [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
+        for t in ["one", "two", "three", "one", "two"]
+    ]
+    assert phase.repeated == 2
+    assert load_phase(f"{a}+{b}", tokenizer, count=3).repeated == 0
+
+
+def test_bundled_code_stream_has_no_repeats(tokenizer):
+    more = REPO_ROOT / "examples" / "demo" / "data" / "mbpp_more_prompts.jsonl"
+    phase = load_phase(f"code+{more}", tokenizer, count=900)
+    assert phase.name == "code+mbpp_more_prompts"
+    assert len(phase.prompts) == 900 and phase.repeated == 0
