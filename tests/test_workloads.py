@@ -46,7 +46,6 @@ def test_joined_sets_in_order_then_cycled(tmp_path, tokenizer):
 
 
 def test_bundled_code_stream_has_no_repeats(tokenizer):
-    more = REPO_ROOT / "examples" / "demo" / "data" / "mbpp_more_prompts.jsonl"
-    phase = load_phase(f"code+{more}", tokenizer, count=900)
-    assert phase.name == "code+mbpp_more_prompts"
+    phase = load_phase("code+mbpp_more", tokenizer, count=900)
+    assert phase.name == "code+mbpp_more"
     assert len(phase.prompts) == 900 and phase.repeated == 0

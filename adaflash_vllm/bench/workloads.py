@@ -21,6 +21,11 @@ BUNDLED_SETS = {
     "prose": "prompts_prose.jsonl",
     "math": "prompts_math.jsonl",
     "code": "prompts_code.jsonl",
+    # for long phases without repeats: math+gsm8k_more+gsm8k_train (2,319 GSM8K
+    # prompts the target never saw), code+mbpp_more (all 974 MBPP prompts)
+    "gsm8k_more": "gsm8k_more_prompts.jsonl",
+    "gsm8k_train": "gsm8k_train_prompts.jsonl",
+    "mbpp_more": "mbpp_more_prompts.jsonl",
 }
 
 
