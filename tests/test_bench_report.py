@@ -39,6 +39,27 @@ def test_plateau_and_requests_to_adapt():
     assert roll["requests"] == 32 and roll["tok_s"] == 40.0
 
 
+def test_a_phase_served_again_is_its_own_entry():
+    pts = [_pt("prose", 2.0), _pt("math", 1.0), _pt("prose", 3.0), _pt("prose", 3.0)]
+    roll = phase_rollup(_result("online", pts))
+    assert list(roll) == ["prose", "math", "prose (again)"]
+    assert roll["prose"]["tau"] == 2.0 and roll["prose (again)"]["requests"] == 8
+
+
+def test_long_phase_adapts_on_a_smoothed_curve_and_reports_its_last_quarter():
+    """64 windows: a 4-window running mean, so a lucky stretch of 3 windows is
+    not 'adapted'; tok/s of the last quarter alone."""
+    taus = [1.0, 2.0, 2.0, 2.0] + [1.0] * 28 + [2.0] * 32
+    pts = [_pt("code", t) for t in taus]
+    for p in pts[48:]:
+        p["wall_s"] = 0.5  # the last quarter ran twice as fast
+    roll = phase_rollup(_result("online", pts))["code"]
+    assert roll["tau_last_quarter"] == 2.0
+    # the running mean first reaches 1.9 at window 36 (all four at 2.0)
+    assert roll["requests_to_95pct_plateau"] == 36 * 4
+    assert roll["tok_s_last_quarter"] == 80.0
+
+
 def test_tau_is_weighted_by_rounds():
     pts = [_pt("a", 3.0, rounds=30), _pt("a", 1.0, rounds=10)]
     assert phase_rollup(_result("x", pts))["a"]["tau"] == 2.5

@@ -6,7 +6,6 @@ Every speed number is also given as a ratio to `plain` measured in the same run
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,21 @@ def _points(result: dict) -> list[dict]:
 
 
 def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
-    """Per phase of a shift stream: tok/s over the phase, mean tau, verify length,
-    tau over the phase's last quarter (after adaptation), and requests until tau
-    first reaches 95% of that plateau (3-window running mean)."""
-    by_phase: dict[str, list[dict]] = defaultdict(list)
+    """Per phase of a shift stream: tok/s and mean tau over the phase, verify
+    length, tau and tok/s over the phase's last quarter (after adaptation), and
+    requests until tau first reaches 95% of that plateau (running mean over a
+    sixteenth of the phase, at least 3 windows). A phase whose set came earlier
+    in the stream too is its own entry, `NAME (again)`."""
+    by_phase: dict[str, list[dict]] = {}
+    current = None
     for p in _points(result):
-        by_phase[p["phase"]].append(p)
+        if p["phase"] != current:  # a new phase starts
+            current = p["phase"]
+            label = current
+            while label in by_phase:
+                label += " (again)"
+            by_phase[label] = []
+        by_phase[label].append(p)
     return {name: _rollup(pts) for name, pts in by_phase.items()}
 
 
@@ -33,22 +41,28 @@ def _round_weighted(pts: list[dict], field: str = "tau") -> float:
     return sum((p.get(field) or 1.0) * (p.get("rounds") or 0) for p in pts) / rounds
 
 
-def _rollup(pts: list[dict]) -> dict[str, float]:
+def _tok_s(pts: list[dict]) -> float:
     wall = sum(p["wall_s"] for p in pts)
+    return sum(p["output_tokens"] for p in pts) / wall if wall else 0.0
+
+
+def _rollup(pts: list[dict]) -> dict[str, float]:
     tail = pts[len(pts) - max(1, len(pts) // 4) :]
     plateau = _round_weighted(tail)
+    smooth = max(3, len(pts) // 16)
     adapt = None
     served = 0
     for i, p in enumerate(pts):
         served += p["requests"]
-        recent = pts[max(0, i - 2) : i + 1]
+        recent = pts[max(0, i - smooth + 1) : i + 1]
         if adapt is None and _round_weighted(recent) >= 0.95 * plateau:
             adapt = served
     return {
-        "tok_s": sum(p["output_tokens"] for p in pts) / wall if wall else 0.0,
+        "tok_s": _tok_s(pts),
         "tau": _round_weighted(pts),
         "verify_len": _round_weighted(pts, "verify_len"),
         "tau_last_quarter": plateau,
+        "tok_s_last_quarter": _tok_s(tail),
         "requests_to_95pct_plateau": adapt,
         "requests": sum(p["requests"] for p in pts),
         "failed_requests": sum(p.get("failed_requests") or 0 for p in pts),
@@ -93,10 +107,10 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
     base_roll = phase_rollup(base) if base else {}
     static_roll = phase_rollup(static) if static else {}
     lines = [
-        "| config | phase | requests | tok/s | speedup vs plain | vs static | tau | "
-        "tau last quarter | vs static | verify len | requests to 95% plateau | "
-        "failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | phase | requests | tok/s | speedup vs plain | vs static | "
+        "tok/s last quarter | vs static | tau | tau last quarter | vs static | "
+        "verify len | requests to 95% plateau | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary: dict[str, Any] = {}
     for r in results:
@@ -112,10 +126,17 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
                 "tau_last_quarter_vs_static": (
                     v["tau_last_quarter"] / st["tau_last_quarter"] if st else None
                 ),
+                "tok_s_last_quarter_vs_static": (
+                    v["tok_s_last_quarter"] / st["tok_s_last_quarter"]
+                    if st and st["tok_s_last_quarter"]
+                    else None
+                ),
             }
             lines.append(
                 f"| {name} | {phase} | {v['requests']} | {v['tok_s']:.1f} | "
                 f"{_fmt(row['speedup'], 'x')} | {_fmt(row['tok_s_vs_static'], 'x')} | "
+                f"{v['tok_s_last_quarter']:.1f} | "
+                f"{_fmt(row['tok_s_last_quarter_vs_static'], 'x')} | "
                 f"{v['tau']:.2f} | {v['tau_last_quarter']:.2f} | "
                 f"{_fmt(row['tau_last_quarter_vs_static'], 'x')} | "
                 f"{v['verify_len']:.2f} | {v['requests_to_95pct_plateau'] or '-'} | "
@@ -123,7 +144,7 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
             )
             summary.setdefault(name, {})[phase] = row
         if r.get("status") != "ok":
-            lines.append(f"| {name} | (failed: {r.get('error')}) |" + " |" * 10)
+            lines.append(f"| {name} | (failed: {r.get('error')}) |" + " |" * 12)
     swaps = swap_summary(results)
     if swaps:
         lines += [
@@ -223,16 +244,14 @@ def plot_shift(results: list[dict], path: Path, title: str = "") -> Path:
     for r in results:
         pts = _points(r)
         x = [sum(q["requests"] for q in pts[: i + 1]) for i in range(len(pts))]
-        ax_tau.plot(
-            x,
-            [p.get("tau") or 1.0 for p in pts],
-            marker="o",
-            ms=3,
-            label=r["config"]["name"],
-        )
-        (line,) = ax_tps.plot(
-            x, [p["tok_s"] for p in pts], marker="o", ms=3, label=r["config"]["name"]
-        )
+        # Long streams: a running mean over ~1/60 of the windows (per-window
+        # values of 8 requests swing more than the trends worth seeing).
+        k = max(1, len(pts) // 60)
+        runs = [pts[max(0, i - k + 1) : i + 1] for i in range(len(pts))]
+        style = {"marker": "o", "ms": 3} if k == 1 else {"lw": 1.2}
+        name = r["config"]["name"] + (f" ({k}-window mean)" if k > 1 else "")
+        ax_tau.plot(x, [_round_weighted(w) for w in runs], label=name, **style)
+        (line,) = ax_tps.plot(x, [_tok_s(w) for w in runs], label=name, **style)
         swaps = [
             xi
             for xi, p in zip(x, pts, strict=True)
