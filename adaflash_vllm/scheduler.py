@@ -53,6 +53,7 @@ class AdaFlashScheduler(Scheduler):
         self.round_stats = RoundStats(k)
         self.rounds: dict[str, RequestRounds] = {}
         self._gate: dict[str, int] = {}  # the worker's draft-gate counters
+        self._took_drafts = False  # this step's drafts came with its output
         self._publisher = (
             StatsPublisher(runtime.stats_path, self.adaflash.metrics.publish_interval_s)
             if runtime is not None and self.adaflash is not None
@@ -109,6 +110,11 @@ class AdaFlashScheduler(Scheduler):
                 getattr(model_runner_output, "adaflash_swap_result", None)
             )
         finished = self._forget_finished(before)
+        carried = getattr(model_runner_output, "adaflash_drafts", None)
+        if carried is not None:  # the worker sent this step's drafts along
+            if carried[0] is not None:
+                self.update_draft_token_ids(carried[0])
+            self._took_drafts = True
         self._gate = getattr(model_runner_output, "adaflash_gate", None) or self._gate
         extra = dict(self._gate)
         if self.admission is not None:
@@ -122,6 +128,12 @@ class AdaFlashScheduler(Scheduler):
             # right after their response see its rounds.
             self._publisher.maybe_publish(self.round_stats, force=finished > 0)
         return outputs
+
+    def took_drafts_from_output(self) -> bool:
+        """Whether the last step's drafts came with its output (then the engine
+        core skips its extra `take_draft_token_ids` call: patches.py E3). Once."""
+        took, self._took_drafts = self._took_drafts, False
+        return took
 
     def _decode_rounds_before(
         self, scheduler_output: SchedulerOutput

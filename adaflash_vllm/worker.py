@@ -84,11 +84,13 @@ class AdaFlashWorkerExtension:
             ),
             "has_length_head": getattr(drafter.model, "length_head", None) is not None,
             "draft_gate": gate.to_dict() if gate is not None else None,
+            "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }
 
     def adaflash_debug_draft_every(self, draft_every: int) -> None:
         """Debugging and tests: run the drafter on every `draft_every`-th step only
-        (the others write context K/V and verify 0 drafts), whatever the timings."""
+        (the others queue their context K/V and verify 0 drafts), whatever the
+        timings."""
         from adaflash_vllm.proposers.draft_gate import ScriptedDraftGate
 
         self.model_runner.drafter.draft_gate = ScriptedDraftGate(draft_every)

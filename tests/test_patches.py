@@ -2,6 +2,7 @@
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_engine_patches_applied_by_plugin():
-    """Loading vLLM's plugins applies E1/E2 and wraps the right functions."""
+    """Loading vLLM's plugins applies E1-E3 and wraps the right functions."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    assert patches.is_applied("E1") and patches.is_applied("E2")
+    assert all(patches.is_applied(p) for p in ("E1", "E2", "E3"))
     assert EngineArgs.create_engine_config.__name__ == "create_engine_config"
     assert "accepting_paths" in EngineArgs.add_cli_args.__name__
 
@@ -39,6 +40,44 @@ def test_worker_patches_swap_proposer_and_revert():
     assert gmr.DFlashProposer is DFlashProposer
     assert gmr.GPUModelRunner.take_draft_token_ids is original_take
     patches.apply_engine_patches()  # leave the engine patches as the plugin set them
+
+
+def test_post_step_skips_the_draft_round_trip_only_for_drafts_that_came_along():
+    """E3: the engine core's extra `take_draft_token_ids` is skipped only for a
+    step whose drafts the AdaFlash scheduler took from the output."""
+    calls = []
+    post_step = patches._wrap_post_step(lambda core, executed: calls.append(executed))
+
+    class Scheduler:
+        took = False
+
+        def took_drafts_from_output(self):
+            took, self.took = self.took, False
+            return took
+
+    core = SimpleNamespace(scheduler=Scheduler())
+    post_step(core, True)
+    assert calls == [True]
+    core.scheduler.took = True
+    post_step(core, True)  # drafts came with the output: no round trip
+    post_step(core, False)  # the next step's did not
+    assert calls == [True, False]
+    core.scheduler = object()  # vLLM's own scheduler
+    post_step(core, True)
+    assert calls == [True, False, True]
+
+
+def test_drafts_taken_for_the_output_are_handed_out_again():
+    """W2: a `take_draft_token_ids` after W5 took them returns the same drafts
+    (not the untrimmed ones), once."""
+    fresh = SimpleNamespace(req_ids=["a"], draft_token_ids=[[1, 2, 3]])
+    take = patches._wrap_take_draft_token_ids(lambda runner: fresh)
+    runner = SimpleNamespace()
+    runner._adaflash_drafts = held = SimpleNamespace(
+        req_ids=["a"], draft_token_ids=[[1]]
+    )
+    assert take(runner) is held
+    assert take(runner) is fresh  # nothing held any more: the runner's own
 
 
 def test_guard_trips_on_changed_signature():

@@ -66,6 +66,14 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         assert m["vllm:adaflash_draft_gate_drafting"] == int(gate["drafting"])
 
 
+def test_drafts_come_with_the_step_output(policy_llm):
+    """The engine core never asked the worker for drafts in a round trip of its
+    own (patches.py E3), yet drafts were verified (and output stayed identical:
+    test_policy_lossless_and_not_vacuous)."""
+    assert policy_llm["budget"]["draft_round_trips"] == 0
+    assert policy_llm["metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
+
+
 def test_sampler_counts_match_scheduler_counts(policy_llm):
     """The worker's rejection sampler and the scheduler saw the same ragged
     verification (per-position drafted and accepted tokens)."""
