@@ -3,7 +3,7 @@
 Budgets can only trim verification; the drafter's own forward (a block of K + 1
 query tokens per request plus K rows of lm_head) is paid before any budget is
 chosen. When drafting emits fewer tokens per second than plain decoding would, the
-step is better off without a draft: the proposer then only writes the new context
+step is better off without a draft: the proposer then only queues the new context
 K/V (so the drafter's cache stays in sync) and every request verifies 0 drafts,
 which the target serves as a plain decode step.
 
@@ -112,6 +112,15 @@ class DraftGate:
         a = self.ema if self.context_ms else 1.0
         self.context_ms += a * (context_ms - self.context_ms)
 
+    def charge_skipped(self, ms: float, steps: int) -> None:
+        """The skipped steps' context K/V, written later in one pass (`ms` for the
+        last `steps` skipped steps): part of what those steps cost. Each step's
+        share goes onto skipped rounds' mean time and the context-only time."""
+        share = ms / max(steps, 1)
+        if self.skip_rate.count:
+            self.skip_rate.den += share
+        self.context_ms += share
+
     def _worth_exploring(self) -> bool:
         if not self.drafting:
             return True
@@ -193,6 +202,9 @@ class ScriptedDraftGate:
         pass
 
     def record_skip(self, context_ms: float) -> None:
+        pass
+
+    def charge_skipped(self, ms: float, steps: int) -> None:
         pass
 
     def to_dict(self) -> dict:

@@ -133,3 +133,14 @@ def test_noisy_drafting_rate_far_above_skipping_never_triggers():
         skipped += not last
     assert gate.drafting
     assert skipped == 4 * 4  # explorations at steps 8, ~44, ~176, ~692
+
+
+def test_charge_skipped_moves_time_onto_skipped_rounds():
+    """Context K/V written later for 4 skipped steps (8 ms): 2 ms more per skipped
+    round and per context-only propose."""
+    gate = DraftGate()
+    gate.record_round(drafted=False, tokens=30.0, ms=20.0)
+    gate.record_skip(1.0)
+    gate.charge_skipped(8.0, 4)
+    assert gate.skip_rate.ratio() == pytest.approx(30.0 / 22.0)
+    assert gate.context_ms == pytest.approx(3.0)

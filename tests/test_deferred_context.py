@@ -1,0 +1,44 @@
+"""Skipped steps' context K/V: queued, then written in one pass in step order."""
+
+import torch
+from adaflash_vllm.proposers.proposer import _DeferredContext
+
+
+class _RecordingModel:
+    """Stands in for the DFlash model's two context-only calls."""
+
+    def __init__(self):
+        self.writes = []
+
+    def combine_hidden_states(self, states):
+        return states * 2.0
+
+    def precompute_and_store_context_kv(self, states, positions, slots):
+        self.writes.append((states.clone(), positions.clone(), slots.clone()))
+
+
+def test_steps_written_once_in_order_from_copies_of_reused_buffers():
+    model, queue = _RecordingModel(), _DeferredContext()
+    positions, slots = torch.arange(8), torch.arange(100, 108)  # runner buffers
+    features = torch.ones(8, 3)
+    queue.add(features[:2].clone(), positions[:2], slots[:2])
+    positions += 10  # the runner reuses its buffers for the next step
+    slots += 10
+    queue.add(features[:3] * 3, positions[:3], slots[:3])
+    assert queue.tokens == 5
+    assert queue.write(model) == 2
+    ((states, pos, slot),) = model.writes
+    assert pos.tolist() == [0, 1, 10, 11, 12]
+    assert slot.tolist() == [100, 101, 110, 111, 112]
+    assert states[:, 0].tolist() == [2.0, 2.0, 6.0, 6.0, 6.0]
+    assert queue.tokens == 0 and queue.write(model) == 0  # nothing twice
+    assert len(model.writes) == 1
+
+
+def test_a_view_of_the_model_output_is_copied():
+    model, queue = _RecordingModel(), _DeferredContext()
+    output = torch.zeros(4, 3)
+    queue.add(output[:2], torch.arange(2), torch.arange(2))
+    output.fill_(5.0)  # next forward overwrites the buffer
+    queue.write(model)
+    assert model.writes[0][0].eq(0.0).all()
