@@ -46,6 +46,18 @@ def test_a_phase_served_again_is_its_own_entry():
     assert roll["prose"]["tau"] == 2.0 and roll["prose (again)"]["requests"] == 8
 
 
+def test_a_phase_that_repeats_prompts_is_also_split_at_the_first_repeat():
+    """10 prompts served as 16 requests (4 per window): windows 1-2 are new
+    prompts only, windows 3-4 hold the repeats (and 2 new ones)."""
+    result = _result("online", [_pt("code", t) for t in (1.0, 1.0, 3.0, 3.0)])
+    result["workload"] = {"phases": [{"name": "code", "count": 16, "repeated": 6}]}
+    roll = phase_rollup(result)
+    assert list(roll) == ["code", "code [new prompts]", "code [repeats]"]
+    assert roll["code [new prompts]"]["tau"] == 1.0
+    assert roll["code [repeats]"]["requests"] == 8
+    assert roll["code"]["tau"] == 2.0
+
+
 def test_long_phase_adapts_on_a_smoothed_curve_and_reports_its_last_quarter():
     """64 windows: a 4-window running mean, so a lucky stretch of 3 windows is
     not 'adapted'; tok/s of the last quarter alone."""
@@ -120,7 +132,13 @@ def test_online_history_and_training_table(tmp_path):
     for v in (1, 2, 3):
         d = tmp_path / version_dirname(v)
         d.mkdir()
-        metrics = {"loss": 3.0 - v, "ce": 1.0, "rkl": 0.5, "clip_fraction": 0.01}
+        metrics = {
+            "loss": 3.0 - v,
+            "ce": 1.0,
+            "rkl": 0.5,
+            "clip_fraction": 0.01,
+            "stale_skipped": 10 * v,
+        }
         (d / "manifest.json").write_text(json.dumps({"version": v, "metrics": metrics}))
         if v != 2:  # v2 never finished writing its weights
             (d / "model.safetensors").write_bytes(b"")
@@ -130,7 +148,7 @@ def test_online_history_and_training_table(tmp_path):
     assert [h["version"] for h in hist] == [1, 3]
     assert hist[0]["rejected"] is None and hist[1]["rejected"] == "rolled back: test"
     lines = training_table([{"config": {"name": "online"}, "online_versions": hist}])
-    assert lines[3].startswith("| online | 1 |") and "| 2.000 |" in lines[3]
+    assert lines[3].startswith("| online | 1 | - | 10 |") and "| 2.000 |" in lines[3]
     assert "1.00%" in lines[3] and lines[4].endswith("| rolled back: test |")
     assert training_table([{"config": {"name": "plain"}}]) == []
 

@@ -1,12 +1,13 @@
 """The online on-policy distillation trainer (`adaflash trainer`).
 
 A separate process with its own frozen copy of the target. It tails the trajectory
-buffer; every `online.train_every` new trajectories it recomputes the target's
-pre-norm features and logits along the served sequences, runs the drafter on blocks
-anchored at the logged round positions (plus random ones), takes AdamW steps on the
-OPD loss (`adaflash_vllm.kernels.opd_loss`: Triton on CUDA, the torch reference
-elsewhere), publishes a new version and offers it to the engine's workers over the
-torch.distributed weight channel.
+buffer; once `online.train_every` new trajectories are waiting it takes the newest
+that many (passing over older ones when it lags: `newest_batch`), recomputes the
+target's pre-norm features and logits along the served sequences, runs the drafter on
+blocks anchored at the logged round positions (plus random ones), takes AdamW steps
+on the OPD loss (`adaflash_vllm.kernels.opd_loss`: Triton on CUDA, the torch
+reference elsewhere), publishes a new version and offers it to the engine's workers
+over the torch.distributed weight channel.
 
 State that survives a crash (versions_dir/trainer/): the buffer position and the
 optimizer; the weights resume from the newest good published version.
@@ -74,6 +75,20 @@ class RoundMetrics:
     seconds: float
     tokens_per_s: float
     head_mse: float  # length head's MSE on realised acceptance (0: no head)
+    stale_skipped: int = 0  # trajectories passed over for newer ones, so far
+
+
+def newest_batch(
+    pending: list[Trajectory], train_every: int
+) -> tuple[list[Trajectory] | None, list[Trajectory], int]:
+    """The next round's trajectories: the newest `train_every` once that many are
+    waiting, and those older than them are passed over. A trainer slower than the
+    traffic then learns from what the engine serves now, not from a backlog that
+    grows without end (after a domain shift it would go on training on the old
+    domain). Returns (batch or None, still pending, passed over)."""
+    if len(pending) < train_every:
+        return None, pending, 0
+    return pending[-train_every:], [], len(pending) - train_every
 
 
 class OnlineTrainer:
@@ -117,6 +132,7 @@ class OnlineTrainer:
         self.reader = BufferReader(self.cfg.buffer_dir, self._load_position())
         self._restore_optimizer()
         self.pending: list[Trajectory] = []
+        self.stale_skipped = 0  # trajectories passed over for newer ones
         self.session = uuid.uuid4().hex[:12]
         self.push_server = None
         self.status = "idle"
@@ -288,9 +304,10 @@ class OnlineTrainer:
             batch, stopping = None, bool(stop and stop.is_set())
             if self.is_main and not stopping:
                 self.pending.extend(self.reader.read_new())
-                if len(self.pending) >= self.cfg.train_every:
-                    batch = self.pending[: self.cfg.train_every]
-                    self.pending = self.pending[self.cfg.train_every :]
+                batch, self.pending, passed = newest_batch(
+                    self.pending, self.cfg.train_every
+                )
+                self.stale_skipped += passed
             batch, stopping = self._broadcast((batch, stopping))
             if stopping:
                 break
@@ -342,6 +359,7 @@ class OnlineTrainer:
             seconds=seconds,
             tokens_per_s=tokens / seconds,
             head_mse=sums["head_mse"] / max(1, steps * self.world),
+            stale_skipped=self.stale_skipped,
         )
         if self.is_main:
             self.publish(metrics)

@@ -19,18 +19,36 @@ def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
     length, tau and tok/s over the phase's last quarter (after adaptation), and
     requests until tau first reaches 95% of that plateau (running mean over a
     sixteenth of the phase, at least 3 windows). A phase whose set came earlier
-    in the stream too is its own entry, `NAME (again)`."""
-    by_phase: dict[str, list[dict]] = {}
-    current = None
+    in the stream too is its own entry, `NAME (again)`. A phase longer than its
+    set (prompts served a second time, which a drafter trained online on their
+    first answers may have memorised) also gets `NAME [new prompts]`, the windows
+    before the first repeat, and `NAME [repeats]`, the rest."""
+    groups: list[tuple[str, list[dict]]] = []
     for p in _points(result):
-        if p["phase"] != current:  # a new phase starts
-            current = p["phase"]
-            label = current
-            while label in by_phase:
+        if not groups or p["phase"] != groups[-1][1][-1]["phase"]:
+            label = p["phase"]
+            while label in {g[0] for g in groups}:
                 label += " (again)"
-            by_phase[label] = []
-        by_phase[label].append(p)
-    return {name: _rollup(pts) for name, pts in by_phase.items()}
+            groups.append((label, []))
+        groups[-1][1].append(p)
+    meta = (result.get("workload") or {}).get("phases") or []
+    out = {}
+    for i, (label, pts) in enumerate(groups):
+        out[label] = _rollup(pts)
+        info = meta[i] if len(meta) == len(groups) else {}
+        if not info.get("repeated"):
+            continue
+        distinct, served, first = info["count"] - info["repeated"], 0, 0
+        for p in pts:
+            served += p["requests"]
+            if served > distinct:
+                break
+            first += 1
+        if first:
+            out[f"{label} [new prompts]"] = _rollup(pts[:first])
+        if first < len(pts):
+            out[f"{label} [repeats]"] = _rollup(pts[first:])
+    return out
 
 
 def _round_weighted(pts: list[dict], field: str = "tau") -> float:
@@ -176,15 +194,16 @@ def training_table(results: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "| config | version | trajectories | loss | CE | rKL | clipped entries | "
-        "accept before -> after | train s | engine verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| config | version | trajectories | older passed over | loss | CE | rKL | "
+        "clipped entries | accept before -> after | train s | engine verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, h in rows:
         m = h["metrics"]
         clip = 100 * m["clip_fraction"] if "clip_fraction" in m else None
         lines.append(
             f"| {name} | {h['version']} | {m.get('trajectories', '-')} | "
+            f"{m.get('stale_skipped', '-')} | "
             f"{_fmt(m.get('loss'), '', 3)} | {_fmt(m.get('ce'), '', 3)} | "
             f"{_fmt(m.get('rkl'), '', 3)} | "
             f"{_fmt(clip, '%')} | "
