@@ -151,18 +151,7 @@ def _served_result(
     return new_result(
         command=command,
         setup=asdict(setup),
-        workload=workload_json(workload)
-        | {
-            "phases": [
-                {
-                    "name": p.name,
-                    "count": len(p.prompts),
-                    "skipped": p.skipped,
-                    "repeated": p.repeated,
-                }
-                for p in workload.phases
-            ]
-        },
+        workload=workload_json(workload),
         config=asdict(config),
     )
 

@@ -233,18 +233,7 @@ def main(job_path: str) -> None:
     result = new_result(
         command=job["command"],
         setup=job["setup"],
-        workload={k: v for k, v in workload.items() if k != "phases"}
-        | {
-            "phases": [
-                {
-                    "name": p["name"],
-                    "count": len(p["prompts"]),
-                    "skipped": p["skipped"],
-                    "repeated": p["repeated"],
-                }
-                for p in workload["phases"]
-            ]
-        },
+        workload=workload,
         config=job["config"],
     )
 

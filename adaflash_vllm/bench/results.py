@@ -90,6 +90,19 @@ def git_sha() -> str:
 
 
 def new_result(*, command: str, setup: dict, workload: dict, config: dict) -> dict:
+    """A result record for one configuration. `workload` is the workload as JSON;
+    its phases are recorded by name and counts, without the prompts."""
+    workload = workload | {
+        "phases": [
+            {
+                "name": p["name"],
+                "count": len(p["prompts"]),
+                "skipped": p["skipped"],
+                "repeated": p["repeated"],
+            }
+            for p in workload["phases"]
+        ]
+    }
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -290,7 +290,7 @@ def _code(build: DataBuild, train: list[dict], shared: Path) -> None:
     # first (the target never saw those); serve it after prompts_code.
     build.files["mbpp_more_prompts.jsonl"] = [
         {"id": r["id"], "domain": "code", "prompt": r["prompt"]}
-        for r in [test[i] for i in range(len(test)) if i not in set(picked)] + rest
+        for r in [test[i] for i in sorted(set(range(len(test))) - set(picked))] + rest
     ]
     build.notes.append(
         f"code: MBPP test {len(test)} -> {N_PROMPTS} seeded -> prompts_code "
