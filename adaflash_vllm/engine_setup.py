@@ -204,6 +204,17 @@ def check_length_policy(cfg: AdaFlashConfig, spec: dict) -> None:
         raise AdaFlashConfigError(
             f"drafter {model!r}: unusable length head: {e}"
         ) from None
+    if (
+        cfg.length.predictor == "head"
+        and head is not None
+        and head.num_drafts not in (None, k)
+    ):
+        raise AdaFlashConfigError(
+            f"drafter {model!r}: its length head was trained for K={head.num_drafts} "
+            f"drafts but num_speculative_tokens is {k}; set num_speculative_tokens "
+            f'to {head.num_drafts}, or use "predictor": "auto" (the drafter\'s '
+            "confidence replaces the head)."
+        )
     if cfg.length.predictor == "head" and head is None:
         named = head_config(drafter_cfg)
         raise AdaFlashConfigError(

@@ -2,11 +2,14 @@
 
 vLLM's own reload paths break DFlash on CPU: linear weights are prepacked (the
 `.weight` becomes an empty tensor) and `_fused_kv_weight` / `_k_norm_weights` are
-copies built at load time. `apply_drafter_state` therefore writes every
-drafter-owned tensor in place (re-packing CPU linears), then copies the fused K/V
-weight and stacked k-norms *in place* (stable addresses, so CUDA graphs that
-captured them stay valid). The embedding and lm_head are shared with the target
-and are never written: a state that names them is rejected.
+copies built at load time. A swap therefore writes every drafter-owned tensor in
+place, the fused K/V weight and stacked k-norms included (stable addresses, so CUDA
+graphs that captured them stay valid), and gives each prepacked CPU linear new
+packed weights. It runs in two parts: `stage_drafter_state` (in the fetch thread,
+off the step: concatenations, dtype conversion and the CPU re-pack) and
+`write_staged` (between steps: handle assignments and in-place copies only). The
+embedding and lm_head are shared with the target and are never written: a state
+that names them is rejected.
 
 Checkpoint names (z-lab) -> vLLM modules, layer i:
     self_attn.{q,k,v}_proj -> self_attn.qkv_proj (rows q | k | v)
@@ -95,31 +98,43 @@ def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             raise SwapRejected(f"{key}: NaN or inf values")
 
 
-def _set_linear(layer: nn.Module, weight: torch.Tensor) -> None:
-    weight = weight.to(
-        dtype=layer.params_dtype if hasattr(layer, "params_dtype") else weight.dtype
-    )
+@dataclass
+class StagedState:
+    """A checked drafter state made ready to write: what can be done before the
+    step (concatenations, dtype conversion, the CPU re-pack of prepacked linears)
+    is done, so that `write_staged` only assigns packed handles and copies."""
+
+    packed: list[tuple[nn.Module, object]]  # (live CPU linear, its new cpu_linear)
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, new value)
+
+
+def _stage_linear(layer: nn.Module, weight: torch.Tensor, staged: StagedState) -> None:
+    dtype = getattr(layer, "params_dtype", None) or layer.weight.dtype
+    weight = weight.to(dtype=dtype)
     if layer.weight.numel() == 0:  # CPU: prepacked, the plain weight was removed
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
-        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        scratch = nn.Module()  # packed like the live layer, off the step
+        scratch.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        bias = getattr(layer, "bias", None)
+        scratch.bias = None if bias is None else bias.detach().clone()
+        dispatch_cpu_unquantized_gemm(scratch, remove_weight=True)
+        staged.packed.append((layer, scratch.cpu_linear))
     else:
-        layer.weight.data.copy_(weight.to(layer.weight.device))
+        staged.copies.append((layer.weight.data, weight))
 
 
-def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+def _stage_copy(param: torch.Tensor, value: torch.Tensor, staged: StagedState) -> None:
+    staged.copies.append((param.data, value.to(dtype=param.dtype)))
 
 
 @torch.no_grad()
-def apply_drafter_state(
-    model: nn.Module, state: dict[str, torch.Tensor], *, validated: bool = False
-) -> None:
-    """Validate (unless the caller did), then write `state` into the live drafter
-    `model` in place."""
-    if not validated:
-        validate_state(model, state)
+def stage_drafter_state(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> StagedState:
+    """Prepare a validated `state` for `write_staged` (safe in a background
+    thread: it reads the live model's layout, never its values)."""
+    staged = StagedState(packed=[], copies=[])
     inner = model.model
     fused_kv, k_norms = [], []
     for i, layer in enumerate(inner.layers):
@@ -129,38 +144,67 @@ def apply_drafter_state(
             state[p + "self_attn.k_proj.weight"],
             state[p + "self_attn.v_proj.weight"],
         )
-        _set_linear(
-            attn.qkv_proj, torch.cat([state[p + "self_attn.q_proj.weight"], k, v])
+        _stage_linear(
+            attn.qkv_proj,
+            torch.cat([state[p + "self_attn.q_proj.weight"], k, v]),
+            staged,
         )
-        _set_linear(attn.o_proj, state[p + "self_attn.o_proj.weight"])
-        _copy(attn.q_norm.weight, state[p + "self_attn.q_norm.weight"])
-        _copy(attn.k_norm.weight, state[p + "self_attn.k_norm.weight"])
-        _set_linear(
+        _stage_linear(attn.o_proj, state[p + "self_attn.o_proj.weight"], staged)
+        _stage_copy(attn.q_norm.weight, state[p + "self_attn.q_norm.weight"], staged)
+        _stage_copy(attn.k_norm.weight, state[p + "self_attn.k_norm.weight"], staged)
+        _stage_linear(
             layer.mlp.gate_up_proj,
             torch.cat(
                 [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]
             ),
+            staged,
         )
-        _set_linear(layer.mlp.down_proj, state[p + "mlp.down_proj.weight"])
-        _copy(layer.input_layernorm.weight, state[p + "input_layernorm.weight"])
-        _copy(
+        _stage_linear(layer.mlp.down_proj, state[p + "mlp.down_proj.weight"], staged)
+        _stage_copy(
+            layer.input_layernorm.weight, state[p + "input_layernorm.weight"], staged
+        )
+        _stage_copy(
             layer.post_attention_layernorm.weight,
             state[p + "post_attention_layernorm.weight"],
+            staged,
         )
         fused_kv.append(torch.cat([k, v]))
         k_norms.append(state[p + "self_attn.k_norm.weight"])
-    _copy(inner.norm.weight, state["norm.weight"])
-    _copy(inner.hidden_norm.weight, state["hidden_norm.weight"])  # aliased buffer
+    _stage_copy(inner.norm.weight, state["norm.weight"], staged)
+    # hidden_norm's weight is aliased by a buffer: written in place, both see it.
+    _stage_copy(inner.hidden_norm.weight, state["hidden_norm.weight"], staged)
     if "fc.weight" in state:
-        _set_linear(inner.fc, state["fc.weight"])
+        _stage_linear(inner.fc, state["fc.weight"], staged)
     head = getattr(model, "length_head", None)
     if head is not None:
         for name, param in head.state_dict().items():
-            _copy(param, state[f"length_head.{name}"])
+            _stage_copy(param, state[f"length_head.{name}"], staged)
     if getattr(inner, "_fused_kv_weight", None) is not None:
-        _copy(inner._fused_kv_weight, torch.cat(fused_kv))
+        _stage_copy(inner._fused_kv_weight, torch.cat(fused_kv), staged)
     if getattr(inner, "_k_norm_weights", None) is not None:
-        _copy(inner._k_norm_weights, torch.stack(k_norms))
+        _stage_copy(inner._k_norm_weights, torch.stack(k_norms), staged)
+    return staged
+
+
+@torch.no_grad()
+def write_staged(staged: StagedState) -> None:
+    """Between steps: point each CPU linear at its new packed weights and copy
+    every other tensor in place (stable addresses, so CUDA graphs that captured
+    them stay valid)."""
+    for layer, cpu_linear in staged.packed:
+        layer.cpu_linear = cpu_linear
+    for param, value in staged.copies:
+        param.copy_(value)
+
+
+def apply_drafter_state(
+    model: nn.Module, state: dict[str, torch.Tensor], *, validated: bool = False
+) -> None:
+    """Validate (unless the caller did), then write `state` into the live drafter
+    `model` (stage and write at once)."""
+    if not validated:
+        validate_state(model, state)
+    write_staged(stage_drafter_state(model, state))
 
 
 def tensor_checksum(tensors: list[torch.Tensor]) -> str:
@@ -189,6 +233,7 @@ class _Fetch:
     version: int
     thread: threading.Thread | None = None
     state: dict[str, torch.Tensor] | None = None
+    staged: StagedState | None = None
     via: str = "folder"
     error: str | None = None
     fetch_s: float = 0.0
@@ -260,10 +305,10 @@ class DrafterSwapper:
             fetch.thread.start()
             return _result(order, t0, pending=True)
         self._fetch = None
-        if fetch.error is not None or fetch.state is None:
+        if fetch.error is not None or fetch.staged is None:
             return _result(order, t0, error=fetch.error or "fetch failed")
         try:
-            apply_drafter_state(self.model, fetch.state, validated=True)
+            write_staged(fetch.staged)
         except (RuntimeError, ValueError) as e:
             return _result(order, t0, error=str(e))
         self.model.drafter_version = order.version
@@ -293,8 +338,11 @@ class DrafterSwapper:
 
                 _, fetch.state = load_drafter(order.path)
             validate_state(self.model, fetch.state)
+            fetch.staged = stage_drafter_state(self.model, fetch.state)
+            fetch.state = None  # the staged tensors are all a swap needs now
         except Exception as e:  # noqa: BLE001  (a background fetch must not die silently)
-            fetch.state, fetch.error = None, f"{type(e).__name__}: {e}"
+            fetch.state, fetch.staged = None, None
+            fetch.error = f"{type(e).__name__}: {e}"
         fetch.fetch_s = time.perf_counter() - t0
         return fetch
 

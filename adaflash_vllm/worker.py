@@ -83,6 +83,10 @@ class AdaFlashWorkerExtension:
                 policy.calibration.to_dict() if hasattr(policy, "calibration") else None
             ),
             "has_length_head": getattr(drafter.model, "length_head", None) is not None,
+            "length_head_kind": getattr(
+                getattr(drafter.model, "length_head", None), "kind", None
+            ),
+            "survival": type(getattr(policy, "survival", None)).__name__,
             "draft_gate": gate.to_dict() if gate is not None else None,
             "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }

@@ -12,9 +12,11 @@ much verification costs and how much it can accept.
                  time, from survival estimates and the measured step-cost curve
 
 Survival s[i, j] = P(draft j of request i is accepted, all before it too) comes from
-the length head (a_hat -> geometric decay with the same expected length) or, for a
-drafter without a head, from the drafter's own confidence (cumulative product of
-the max draft probability, as vLLM's online estimator starts from).
+the length head (a survival head predicts it directly; a ratio head's a_hat gives a
+geometric decay with the same expected length) or, for a drafter without a head,
+from the drafter's own confidence (cumulative product of the max draft probability,
+as vLLM's online estimator starts from). Confidence features are those of the
+logits the drafter computed for its drafts (`length_head.draft_confidence`).
 
 Cost-aware choice (vLLM's adaptive verification does the same with its estimator):
 sort all (i, j >= k_min) slot survivals descending; for a global budget b,
@@ -45,29 +47,38 @@ from adaflash_vllm.config import LengthConfig
 
 
 class BudgetPolicy(Protocol):
+    needs_confidence: bool  # choose() reads `confidence`
+
     def choose(
         self,
         *,
         req_ids: list[str],
         num_drafts: int,
         hidden_states: torch.Tensor | None,  # [B, K, H] drafter outputs at the masks
+        confidence: torch.Tensor | None = None,  # [B, K, 3] draft_confidence
     ) -> list[int] | None: ...
 
 
 class FixedBudget:
     """Every request verifies all K drafts: stock DFlash."""
 
-    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int] | None:
+    needs_confidence = False
+
+    def choose(
+        self, *, req_ids, num_drafts, hidden_states, confidence=None
+    ) -> list[int] | None:
         return None
 
 
 class DebugRaggedBudget:
     """k_i = crc32(req_id, round) mod (K + 1): ragged, deterministic, includes 0."""
 
+    needs_confidence = False
+
     def __init__(self) -> None:
         self._round: dict[str, int] = {}
 
-    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
+    def choose(self, *, req_ids, num_drafts, hidden_states, confidence=None):
         live = set(req_ids)
         self._round = {r: n for r, n in self._round.items() if r in live}
         budgets = []
@@ -108,35 +119,45 @@ def geometric_survival(a_hat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class HeadSurvival:
-    """Survival from the length head's predicted acceptance ratio."""
+    """Survival from the length head: its own curve (survival kind), or geometric
+    from its predicted acceptance ratio (ratio kind)."""
 
     def __init__(self, head: torch.nn.Module):
         self.head = head
+        self.needs_confidence = bool(getattr(head, "needs_confidence", False))
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.needs_confidence:
+            return self.head.survival(hidden, confidence)
         return geometric_survival(self.ratio(hidden), hidden.shape[1])
 
     @torch.no_grad()
-    def ratio(self, hidden: torch.Tensor) -> torch.Tensor:
+    def ratio(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """a_hat [B]: the head's predicted accepted fraction of the K drafts."""
-        return self.head(hidden)
+        return self.head.ratio(hidden, confidence)
 
 
 class ConfidenceSurvival:
-    """Survival from the drafter's own confidence: cumprod of max draft probability."""
+    """Survival from the drafter's own confidence: cumprod of max draft probability
+    (confidence features of the drafts' logits; feature 0 is log p_top1)."""
 
-    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
-        self.compute_logits = compute_logits
+    needs_confidence = True
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        b, k, h = hidden.shape
-        probs = self.compute_logits(hidden.reshape(b * k, h)).float().softmax(-1)
-        return probs.max(-1).values.view(b, k).cumprod(-1)
+    def __call__(
+        self, hidden: torch.Tensor | None, confidence: torch.Tensor
+    ) -> torch.Tensor:
+        return confidence[..., 0].float().exp().cumprod(-1)
 
-    def ratio(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self(hidden).sum(-1) / hidden.shape[1]
+    def ratio(
+        self, hidden: torch.Tensor | None, confidence: torch.Tensor
+    ) -> torch.Tensor:
+        return self(hidden, confidence).mean(-1)
 
 
 # ------------------------------------------------------------------ policies
@@ -153,10 +174,13 @@ class PaperBudget:
         k_min: int,
     ):
         self.survival, self.gamma, self.k_min = survival, gamma, k_min
+        self.needs_confidence = bool(getattr(survival, "needs_confidence", False))
         self.last_expected: torch.Tensor | None = None  # [B] E[accepted] chosen
 
-    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
-        a_hat = self.survival.ratio(hidden_states).float()
+    def choose(
+        self, *, req_ids, num_drafts, hidden_states, confidence=None
+    ) -> list[int]:
+        a_hat = self.survival.ratio(hidden_states, confidence).float()
         k = (a_hat * num_drafts * self.gamma).round().clamp(self.k_min, num_drafts)
         self.last_expected = a_hat * num_drafts
         return k.long().tolist()
@@ -206,19 +230,25 @@ class CostAwareBudget:
         fallback: PaperBudget,
     ):
         self.survival, self.cost, self.k_min = survival, cost, k_min
+        self.needs_confidence = bool(getattr(survival, "needs_confidence", False))
         self.fallback = fallback
         self.last_choice: dict | None = None
         self.calibration = AcceptanceCalibration()
         self.last_predicted: float | None = None  # uncalibrated E[accepted], last step
 
-    def choose(self, *, req_ids, num_drafts, hidden_states) -> list[int]:
+    def choose(
+        self, *, req_ids, num_drafts, hidden_states, confidence=None
+    ) -> list[int]:
         cost = self.cost()
         self.last_predicted = None
         if cost is None:  # no profile (failed or not yet taken): the paper rule
             return self.fallback.choose(
-                req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden_states
+                req_ids=req_ids,
+                num_drafts=num_drafts,
+                hidden_states=hidden_states,
+                confidence=confidence,
             )
-        s = self.survival(hidden_states).float().cpu()  # [B, K]
+        s = self.survival(hidden_states, confidence).float().cpu()  # [B, K]
         k_i = self.allocate(s, cost)
         # allocate's expected tokens are B + the chosen slots' survivals.
         self.last_predicted = self.last_choice["expected_tokens"] - len(k_i)
@@ -267,7 +297,6 @@ def make_budget_policy(
     cfg: LengthConfig,
     *,
     head: torch.nn.Module | None = None,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     cost: Callable[[], StepCostModel | None] = lambda: None,
 ) -> BudgetPolicy:
     """The policy `cfg.mode` names, with the survival estimate it needs."""
@@ -281,7 +310,7 @@ def make_budget_policy(
             'adaflash.length.predictor is "head" but the drafter has '
             "no length head (dflash_config.thresh_head_bottleneck_dim)"
         )
-    survival = HeadSurvival(head) if use_head else ConfidenceSurvival(compute_logits)
+    survival = HeadSurvival(head) if use_head else ConfidenceSurvival()
     paper = PaperBudget(survival, gamma=cfg.gamma, k_min=cfg.k_min)
     if cfg.mode == "paper":
         return paper

@@ -1,18 +1,36 @@
-"""The adaptive length head: predicts, per drafted block, the fraction of its K
-drafts the target will accept, from the drafter's own hidden states.
+"""The adaptive length head: predicts, per drafted block, how many of its K drafts
+the target will accept, from the drafter's hidden states and its own confidence.
 
-    x     = [mean_k h_k ; h_K]                    h: drafter outputs at the K masks
-    z     = silu(W1 x + b1);  z = z + silu(W2 z + b2)
-    a_hat = sigmoid(w3 z + b3)                    in [0, 1]
+Two kinds, named by the drafter's `dflash_config.length_head_kind`:
 
-(the AdaFlash "two-model" threshold head). It runs in fp32 on detached hidden
-states, so it never changes the drafter or its drafts. Weights `length_head.*` live
-in `length_head.safetensors` next to the drafter; `model.safetensors.index.json`
-lists only the drafter's own file, so stock vLLM loads such a checkpoint unchanged.
-The drafter's `dflash_config` names the head: `thresh_head_bottleneck_dim` (and
-`use_thresh_head_two_model: true`, the AdaFlash-SGLang keys).
+`survival` (the default for new heads):
 
-Shape symbols: B blocks, K drafts per block, H drafter hidden size, D bottleneck.
+    x   = [mean_k h_k ; h_K ; c_1..c_K]      c_k = (log p_k, margin_k, entropy_k)
+    z   = silu(W1 x + b1);  z = z + silu(W2 z + b2)
+    g_k = sigmoid(W3 z + b3)_k               P(draft k accepted | drafts < k were)
+    s_j = prod_{k <= j} g_k                  survival: P(at least j accepted)
+    a_hat = (1/K) sum_j s_j                  expected accepted fraction
+
+where p_k is the drafter's top-1 probability at slot k, margin_k the gap between
+its two largest logits and entropy_k that of its distribution (`draft_confidence`).
+Trained by the exact likelihood of the realised accepted length (training/head.py),
+so the survival curve itself is calibrated, not only its mean; the budgets read it
+directly.
+
+`ratio` (the first AdaFlash heads, and the paper's "two-model" threshold head):
+
+    x = [mean_k h_k ; h_K];  same MLP;  a_hat = sigmoid(w3 z + b3)
+
+with a geometric survival of the same expected length (budget.py).
+
+The head runs in fp32 on detached inputs, so it never changes the drafter or its
+drafts. Weights `length_head.*` live in `length_head.safetensors` next to the
+drafter; `model.safetensors.index.json` lists only the drafter's own file, so stock
+vLLM loads such a checkpoint unchanged. `dflash_config.thresh_head_bottleneck_dim`
+(the AdaFlash-SGLang key) names the bottleneck D.
+
+Shape symbols: B blocks, K drafts per block, H drafter hidden size, D bottleneck,
+V vocabulary, C = 3 confidence features per slot.
 """
 
 from __future__ import annotations
@@ -27,27 +45,130 @@ from safetensors.torch import load_file
 from torch import nn
 
 CONFIG_KEY = "thresh_head_bottleneck_dim"
+KIND_KEY = "length_head_kind"
+KINDS = ("survival", "ratio")
+CONFIDENCE_FEATURES = 3
+_MARGIN_CAP = 30.0  # logits gaps past this say nothing more; keeps inputs bounded
+_LOGP_FLOOR = -30.0
+HIDDEN_DROPOUT = 0.5
+
+
+_CONFIDENCE_ROWS = 256  # rows per chunk: bounds the fp32 temporaries (large V)
+
+
+def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """Per-slot confidence features [..., 3] from drafter logits [..., V]:
+    (log p_top1, top1 - top2 logit margin, entropy), in fp32. Rows are processed
+    in chunks, so a 150k vocabulary costs ~150 MB of temporaries, not gigabytes."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], CONFIDENCE_FEATURES, device=logits.device)
+    for start in range(0, flat.shape[0], _CONFIDENCE_ROWS):
+        x = flat[start : start + _CONFIDENCE_ROWS].float()
+        lse = torch.logsumexp(x, dim=-1)
+        top2 = x.topk(2, dim=-1).values
+        # entropy = lse - sum_v p_v x_v (p_v = 0 where x_v = -inf)
+        entropy = lse - (torch.softmax(x, dim=-1) * x).nan_to_num(0.0).sum(-1)
+        rows = out[start : start + x.shape[0]]
+        rows[:, 0] = (top2[:, 0] - lse).clamp_min(_LOGP_FLOOR)
+        rows[:, 1] = (top2[:, 0] - top2[:, 1]).clamp(0.0, _MARGIN_CAP)
+        rows[:, 2] = entropy
+    return out.view(*logits.shape[:-1], CONFIDENCE_FEATURES)
 
 
 class LengthHead(nn.Module):
-    """a_hat [B] from drafter hidden states [B, K, H]."""
+    """Acceptance of a drafted block from drafter hidden states [B, K, H] and, for
+    the `survival` kind, confidence features [B, K, 3] (`draft_confidence`).
 
-    def __init__(self, hidden_size: int, bottleneck: int = 64):
+    Args:
+        hidden_size: the drafter's hidden size H.
+        bottleneck: D.
+        num_drafts: K; required for (and only used by) the `survival` kind.
+        kind: "survival" or "ratio" (module docstring).
+
+    Example:
+        >>> head = LengthHead(256, 64, num_drafts=7)
+        >>> s = head.survival(hidden, draft_confidence(logits))  # [B, 7]
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        bottleneck: int = 64,
+        *,
+        num_drafts: int | None = None,
+        kind: str = "survival",
+    ):
         super().__init__()
-        self.hidden_size, self.bottleneck = hidden_size, bottleneck
-        self.proj = nn.Linear(2 * hidden_size, bottleneck)
+        if kind not in KINDS:
+            raise ValueError(f"length head kind {kind!r}; valid: {', '.join(KINDS)}")
+        if kind == "survival" and not num_drafts:
+            raise ValueError("a survival length head needs num_drafts (K)")
+        self.kind, self.hidden_size, self.bottleneck = kind, hidden_size, bottleneck
+        self.num_drafts = num_drafts if kind == "survival" else None
+        extra = CONFIDENCE_FEATURES * num_drafts if kind == "survival" else 0
+        self.proj = nn.Linear(2 * hidden_size + extra, bottleneck)
         self.mid = nn.Linear(bottleneck, bottleneck)
-        self.out = nn.Linear(bottleneck, 1)
+        self.out = nn.Linear(bottleneck, num_drafts if kind == "survival" else 1)
+        # Training only: drop pooled hidden inputs so the head leans on the
+        # confidence features too, which carry over to domains it never saw.
+        self.hidden_dropout = nn.Dropout(HIDDEN_DROPOUT if kind == "survival" else 0)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logit(hidden))
+    @property
+    def needs_confidence(self) -> bool:
+        return self.kind == "survival"
 
-    def logit(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """a_hat [B]: the predicted accepted fraction of the K drafts."""
+        return self.ratio(hidden, confidence)
+
+    def ratio(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.kind == "ratio":
+            return torch.sigmoid(self.logits(hidden).squeeze(-1))
+        return self.survival(hidden, confidence).mean(-1)
+
+    def survival(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """s [B, K] = P(at least j drafts accepted), non-increasing in j (survival
+        kind only; budget.py derives a geometric one for the ratio kind)."""
+        if self.kind != "survival":
+            raise TypeError("a ratio length head predicts a_hat only")
+        return torch.sigmoid(self.logits(hidden, confidence)).cumprod(-1)
+
+    def logits(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, K] conditional acceptance logits (survival) or [B, 1] (ratio)."""
+        return self.mlp(self.inputs(hidden, confidence))
+
+    def inputs(
+        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, 2H (+ 3K)]: pooled hidden states (+ the confidence features)."""
         h = hidden.float()
-        x = torch.cat([h.mean(dim=-2), h[..., -1, :]], dim=-1)
+        parts = [h.mean(dim=-2), h[..., -1, :]]
+        if self.kind == "survival":
+            if confidence is None:
+                raise ValueError("a survival length head needs confidence features")
+            if confidence.shape[-2] != self.num_drafts:
+                raise ValueError(
+                    f"length head trained for K={self.num_drafts} drafts, got "
+                    f"{confidence.shape[-2]}"
+                )
+            parts.append(confidence.float().flatten(-2))
+        return torch.cat(parts, dim=-1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from `inputs` x [B, F]."""
+        pooled = 2 * self.hidden_size
+        x = torch.cat([self.hidden_dropout(x[..., :pooled]), x[..., pooled:]], dim=-1)
         z = F.silu(self.proj(x))
         z = z + F.silu(self.mid(z))
-        return self.out(z).squeeze(-1)
+        return self.out(z)
 
 
 def head_config(drafter_cfg: dict) -> int | None:
@@ -56,34 +177,60 @@ def head_config(drafter_cfg: dict) -> int | None:
     return int(value) if value else None
 
 
+def head_kind(drafter_cfg: dict) -> str:
+    """The head's kind; checkpoints from before `length_head_kind` hold a ratio
+    head."""
+    kind = (drafter_cfg.get("dflash_config") or {}).get(KIND_KEY, "ratio")
+    if kind not in KINDS:
+        raise ValueError(
+            f"dflash_config.{KIND_KEY} is {kind!r}; valid: {', '.join(KINDS)}"
+        )
+    return kind
+
+
+def make_length_head(drafter_cfg: dict) -> LengthHead | None:
+    """A fresh head shaped as a drafter config (hidden_size, block_size,
+    dflash_config) names it, or None when it names none."""
+    bottleneck = head_config(drafter_cfg)
+    if bottleneck is None:
+        return None
+    kind = head_kind(drafter_cfg)
+    return LengthHead(
+        drafter_cfg["hidden_size"],
+        bottleneck,
+        num_drafts=int(drafter_cfg.get("block_size", 16)) - 1,
+        kind=kind,
+    )
+
+
 def load_length_head(
     folder: str | Path, drafter_cfg: dict | None = None
 ) -> LengthHead | None:
     """The head stored with a drafter, or None when it has none.
 
     Raises:
-        ValueError: the head's input size does not fit the drafter's hidden size.
+        ValueError: the stored head's shapes do not fit the drafter (hidden size,
+            K = block_size - 1, bottleneck, kind).
     """
     folder = Path(folder)
     if drafter_cfg is None:
         drafter_cfg = json.loads((folder / "config.json").read_text())
-    bottleneck = head_config(drafter_cfg)
-    if bottleneck is None or not (folder / HEAD_FILE).exists():
+    head = make_length_head(drafter_cfg)
+    if head is None or not (folder / HEAD_FILE).exists():
         return None
     state = {
         k.removeprefix("length_head."): v
         for k, v in load_file(str(folder / HEAD_FILE)).items()
     }
-    hidden = drafter_cfg["hidden_size"]
-    in_features = state["proj.weight"].shape[1]
-    if in_features != 2 * hidden or state["proj.weight"].shape[0] != bottleneck:
+    want = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != want:
         raise ValueError(
-            f"length head in {folder} expects input {in_features} / bottleneck "
-            f"{state['proj.weight'].shape[0]}, but the drafter has hidden size "
-            f"{hidden} "
-            f"(input {2 * hidden}) and {CONFIG_KEY}={bottleneck}"
+            f"length head in {folder} has shapes {got}, but a {head.kind} head for "
+            f"this drafter (hidden size {head.hidden_size}, K = "
+            f"{head.num_drafts or 'any'}, {CONFIG_KEY}={head.bottleneck}) has "
+            f"{want}"
         )
-    head = LengthHead(hidden, bottleneck)
     head.load_state_dict(state)
     return head.eval()
 

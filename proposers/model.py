@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from adaflash_vllm.proposers.length_head import (
     LengthHead,
-    head_config,
+    draft_confidence,
     load_length_head,
+    make_length_head,
 )
 from typing_extensions import override
 from vllm.logger import init_logger
@@ -77,14 +78,29 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.drafter_version = 0
+        head = make_length_head(self._head_config())
+        # eval(): serving never trains it (and its training-time dropout is off).
+        self.length_head: LengthHead | None = (
+            None if head is None else head.float().eval()
+        )
+        # Set by the proposer around its draft sampling: keep the confidence
+        # features of the logits computed for the drafts (no second lm_head pass).
+        self.record_confidence = False
+        self.last_confidence: torch.Tensor | None = None  # [B * K, 3]
+
+    def _head_config(self) -> dict:
         cfg = self.config.to_dict() if hasattr(self.config, "to_dict") else {}
         cfg.setdefault("dflash_config", getattr(self.config, "dflash_config", {}))
-        bottleneck = head_config(cfg)
-        self.length_head: LengthHead | None = (
-            LengthHead(self.config.hidden_size, bottleneck).float()
-            if bottleneck
-            else None
-        )
+        cfg.setdefault("hidden_size", self.config.hidden_size)
+        cfg.setdefault("block_size", getattr(self.config, "block_size", 16))
+        return cfg
+
+    @override
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if self.record_confidence and logits is not None:
+            self.last_confidence = draft_confidence(logits)
+        return logits
 
     def load_weights(self, weights):
         result = super().load_weights(weights)
@@ -94,13 +110,7 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
 
     def _load_length_head(self) -> None:
         folder = Path(self.draft_model_config.model)
-        head = load_length_head(
-            folder,
-            {
-                "hidden_size": self.config.hidden_size,
-                "dflash_config": self.config.dflash_config,
-            },
-        )
+        head = load_length_head(folder, self._head_config())
         if head is None:
             logger.warning(
                 "AdaFlash: %s names a length head but has no %s; running without it",
@@ -115,7 +125,8 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
             ):
                 p.copy_(q.to(p.device))
         logger.info(
-            "AdaFlash: loaded length head (bottleneck %d) from %s",
+            "AdaFlash: loaded %s length head (bottleneck %d) from %s",
+            head.kind,
             head.bottleneck,
             folder,
         )

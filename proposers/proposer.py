@@ -29,6 +29,7 @@ from adaflash_vllm.proposers.cost_model import (
     profile_step_costs,
 )
 from adaflash_vllm.proposers.draft_gate import DraftGate
+from adaflash_vllm.proposers.length_head import CONFIDENCE_FEATURES, draft_confidence
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from typing_extensions import override
 from vllm.logger import init_logger
@@ -117,6 +118,7 @@ class AdaFlashProposer(DFlashProposer):
         self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
+        self._mask_confidence: torch.Tensor | None = None  # [B * K, 3], same propose
         self._deferred = _DeferredContext()  # context K/V of skipped steps
         self._budgets: dict[str, int] | None = None
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -147,8 +149,7 @@ class AdaFlashProposer(DFlashProposer):
         if self.adaflash is not None:
             self.budget_policy = make_budget_policy(
                 self.adaflash.length,
-                head=getattr(self.model, "length_head", None),
-                compute_logits=self.model.compute_logits,
+                head=self._usable_length_head(),
                 cost=lambda: self.cost_model,
             )
             self.draft_gate = self._make_draft_gate(
@@ -169,6 +170,23 @@ class AdaFlashProposer(DFlashProposer):
         )
         # A restarted engine resumes from the newest good version: the scheduler
         # orders that swap for the first step (one source of truth for the version).
+
+    def _usable_length_head(self):
+        """The drafter's length head, unless it was trained for another K (a
+        survival head reads K slots' features; startup checks refuse this when
+        the head is required)."""
+        head = getattr(self.model, "length_head", None)
+        trained_k = getattr(head, "num_drafts", None)
+        if trained_k is not None and trained_k != self.num_speculative_tokens:
+            logger.warning(
+                "AdaFlash: the drafter's length head was trained for K=%d drafts "
+                "but num_speculative_tokens is %d; budgets use the drafter's "
+                "confidence instead",
+                trained_k,
+                self.num_speculative_tokens,
+            )
+            return None
+        return head
 
     def _make_draft_gate(self, tp_size: int) -> DraftGate | None:
         length = self.adaflash.length
@@ -208,7 +226,22 @@ class AdaFlashProposer(DFlashProposer):
         # hidden_states: [B * K, H], the drafter's outputs at the K mask positions.
         if self.budget_policy is not None or self.captures is not None:
             self._mask_hidden = hidden_states
-        return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        if self.budget_policy is None or not self.budget_policy.needs_confidence:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        # Confidence features of the logits the drafts are sampled from.
+        model = self.model
+        model.record_confidence, model.last_confidence = True, None
+        try:
+            drafts = super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        finally:
+            model.record_confidence = False
+        confidence, model.last_confidence = model.last_confidence, None
+        if confidence is None or confidence.shape[0] != hidden_states.shape[0]:
+            # A sampling path that never built full logits (e.g. a local argmax
+            # reduction): compute them once more.
+            confidence = draft_confidence(model.compute_logits(hidden_states))
+        self._mask_confidence = confidence
+        return drafts
 
     @override
     def propose(self, *args, **kwargs) -> torch.Tensor:
@@ -240,15 +273,20 @@ class AdaFlashProposer(DFlashProposer):
         started = self._write_deferred_context(gate, started)
         draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
         num_drafts = draft_token_ids.shape[1]
-        hidden = self._mask_hidden
-        self._mask_hidden = None
+        hidden, confidence = self._mask_hidden, self._mask_confidence
+        self._mask_hidden = self._mask_confidence = None
         if hidden is not None and num_drafts > 0:
             hidden = hidden.view(num_reqs, num_drafts, -1)
+        if confidence is not None and num_drafts > 0:
+            confidence = confidence.view(num_reqs, num_drafts, CONFIDENCE_FEATURES)
         if self.captures is not None and hidden is not None:
             self._capture(req_ids, draft_token_ids, hidden, kwargs)
         if self.budget_policy is not None:
             budgets = self.budget_policy.choose(
-                req_ids=req_ids, num_drafts=num_drafts, hidden_states=hidden
+                req_ids=req_ids,
+                num_drafts=num_drafts,
+                hidden_states=hidden,
+                confidence=confidence,
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))

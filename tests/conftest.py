@@ -35,7 +35,7 @@ def tiny(tmp_path_factory) -> TinyModels:
 @pytest.fixture(scope="session")
 def tiny_head_drafter(tiny) -> Path:
     """The trained tiny drafter plus a length head trained on its acceptance."""
-    from adaflash_vllm.proposers.length_head import CONFIG_KEY
+    from adaflash_vllm.proposers.length_head import CONFIG_KEY, KIND_KEY
     from adaflash_vllm.training.checkpoint import load_drafter, save_drafter
     from adaflash_vllm.training.drafter import DFlashDrafter
     from adaflash_vllm.training.features import TargetModel
@@ -43,6 +43,7 @@ def tiny_head_drafter(tiny) -> Path:
 
     cfg, state = load_drafter(tiny.drafter_trained)
     cfg["dflash_config"][CONFIG_KEY] = 32
+    cfg["dflash_config"][KIND_KEY] = "survival"
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state, strict=False)
     threads = torch.get_num_threads()

@@ -4,13 +4,16 @@ import pytest
 import torch
 from adaflash_vllm.proposers.budget import (
     AcceptanceCalibration,
+    ConfidenceSurvival,
     CostAwareBudget,
     DebugRaggedBudget,
+    HeadSurvival,
     PaperBudget,
     geometric_survival,
     make_budget_policy,
 )
 from adaflash_vllm.proposers.cost_model import StepCostModel, profile_step_costs
+from adaflash_vllm.proposers.length_head import LengthHead, draft_confidence
 
 from adaflash_vllm.config import LengthConfig
 
@@ -18,13 +21,15 @@ K = 7
 
 
 class _FixedSurvival:
+    needs_confidence = False
+
     def __init__(self, s: torch.Tensor):
         self.s = s
 
-    def __call__(self, hidden):
+    def __call__(self, hidden, confidence=None):
         return self.s
 
-    def ratio(self, hidden):
+    def ratio(self, hidden, confidence=None):
         return self.s.sum(-1) / self.s.shape[-1]
 
 
@@ -154,6 +159,31 @@ def test_debug_ragged_covers_zero_to_k():
             )
         )
     assert seen == set(range(K + 1))
+
+
+def test_confidence_survival_is_the_cumulative_top1_probability():
+    """Without a head, survival is prod_{k <= j} p_top1(k) from the drafts' own
+    logits (no second lm_head pass: the features come with the drafts)."""
+    logits = torch.randn(2 * K, 50)
+    conf = draft_confidence(logits).view(2, K, 3)
+    policy = make_budget_policy(LengthConfig(mode="paper"), head=None)
+    assert policy.needs_confidence
+    p_top1 = logits.softmax(-1).max(-1).values.view(2, K)
+    s = ConfidenceSurvival()(None, conf)
+    assert torch.allclose(s, p_top1.cumprod(-1), atol=1e-6)
+
+
+def test_survival_head_feeds_the_budgets_its_own_curve():
+    """A survival head's curve reaches the cost-aware allocation unchanged (not a
+    geometric fit of its mean)."""
+    head = LengthHead(8, 4, num_drafts=K).eval()
+    hidden, conf = torch.randn(3, K, 8), draft_confidence(torch.randn(3, K, 20))
+    survival = HeadSurvival(head)
+    assert survival.needs_confidence
+    s = survival(hidden, conf)
+    assert torch.allclose(s, head.survival(hidden, conf))
+    assert (s[:, 1:] <= s[:, :-1]).all()
+    assert torch.allclose(survival.ratio(hidden, conf), s.mean(-1))
 
 
 def test_head_predictor_required_when_asked():

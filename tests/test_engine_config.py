@@ -119,3 +119,13 @@ def test_async_scheduling_rejected(tiny):
 def test_missing_config_file(tiny, tmp_path):
     with pytest.raises(AdaFlashConfigError, match="speculative config file not found"):
         _engine_config(tiny, str(tmp_path / "nope.json"))
+
+
+def test_required_head_trained_for_another_k(tiny, tiny_head_drafter):
+    """A survival head reads K slots: asking for it with another K fails at
+    startup, naming both numbers and the fix."""
+    spec = tiny.spec(
+        k=2, model=str(tiny_head_drafter), adaflash={"length": {"predictor": "head"}}
+    )
+    with pytest.raises(AdaFlashConfigError, match="trained for K=3.*is 2"):
+        _engine_config(tiny, spec)

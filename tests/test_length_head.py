@@ -1,11 +1,19 @@
 """The length head: trained on tiny models it predicts realised acceptance better
-than a constant, and it round-trips through the checkpoint format."""
+than a constant, its survival loss is the exact likelihood of the accepted length,
+and it round-trips through the checkpoint format."""
 
 import json
+import math
 
 import pytest
 import torch
-from adaflash_vllm.proposers.length_head import CONFIG_KEY, LengthHead, load_length_head
+from adaflash_vllm.proposers.length_head import (
+    CONFIG_KEY,
+    KIND_KEY,
+    LengthHead,
+    draft_confidence,
+    load_length_head,
+)
 from adaflash_vllm.training.checkpoint import (
     HEAD_FILE,
     INDEX_FILE,
@@ -14,20 +22,34 @@ from adaflash_vllm.training.checkpoint import (
 )
 from adaflash_vllm.training.drafter import DFlashDrafter
 from adaflash_vllm.training.features import TargetModel
-from adaflash_vllm.training.head import evaluate_length_head, train_length_head
+from adaflash_vllm.training.head import (
+    budget_recall,
+    evaluate_length_head,
+    survival_nll,
+    train_length_head,
+)
+
+K = 3  # the tiny drafter's drafts per block
 
 
-@pytest.fixture(scope="module")
-def drafter_with_head(tiny):
+def _with_head(tiny, kind: str | None) -> DFlashDrafter:
     cfg, state = load_drafter(tiny.drafter_trained)
     cfg["dflash_config"][CONFIG_KEY] = 32
+    if kind is not None:
+        cfg["dflash_config"][KIND_KEY] = kind
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state, strict=False)  # the head starts fresh
+    return drafter
+
+
+@pytest.fixture(scope="module", params=["survival", "ratio"])
+def drafter_with_head(request, tiny):
+    drafter = _with_head(tiny, request.param)
     target = TargetModel(tiny.target)
     torch.set_num_threads(1)
     train, held_out = tiny.sequences[:48], tiny.sequences[48:]
     train_length_head(
-        drafter.length_head, drafter, target, train, num_drafts=3, epochs=8, lr=3e-3
+        drafter.length_head, drafter, target, train, num_drafts=K, epochs=8, lr=3e-3
     )
     return drafter, target, held_out
 
@@ -36,16 +58,18 @@ def test_head_beats_constant_predictor_on_held_out_rounds(drafter_with_head):
     """MAE of the head < MAE of the best constant (the held-out mean itself)."""
     drafter, target, held_out = drafter_with_head
     cal = evaluate_length_head(
-        drafter.length_head, drafter, target, held_out, num_drafts=3
+        drafter.length_head, drafter, target, held_out, num_drafts=K
     )
     assert cal["n"] > 100
     assert cal["mae"] < cal["mae_constant"], cal
     assert 0 <= cal["ece"] <= 1
+    assert set(cal["budget_recall"]) == {"0.15", "0.3", "0.5"}
+    assert all(0 < v <= 1 for v in cal["budget_recall"].values())
 
 
 def test_head_round_trips_through_the_checkpoint(drafter_with_head, tmp_path):
     """Head weights go to length_head.safetensors, hidden from stock vLLM by the
-    weight index; loading gives the same predictions."""
+    weight index; loading gives the same kind and the same predictions."""
     drafter, _, _ = drafter_with_head
     out = save_drafter(tmp_path / "d", drafter.cfg, drafter.state_dict())
     index = json.loads((out / INDEX_FILE).read_text())["weight_map"]
@@ -53,19 +77,107 @@ def test_head_round_trips_through_the_checkpoint(drafter_with_head, tmp_path):
     assert not any(k.startswith("length_head.") for k in index)
     assert set(index.values()) == {"model.safetensors"}
     head = load_length_head(out)
-    x = torch.randn(5, 3, drafter.cfg["hidden_size"])
-    assert torch.allclose(head(x), drafter.length_head(x))
+    assert head.kind == drafter.length_head.kind
+    x = torch.randn(5, K, drafter.cfg["hidden_size"])
+    conf = draft_confidence(torch.randn(5, K, 40))
+    assert torch.allclose(head(x, conf), drafter.length_head(x, conf))
     cfg, state = load_drafter(out)
     reloaded = DFlashDrafter(cfg)
     reloaded.load_state_dict(state)  # strict: drafter + head keys both present
 
 
-def test_head_that_does_not_fit_is_rejected(tmp_path, drafter_with_head):
-    drafter, _, _ = drafter_with_head
-    cfg = dict(drafter.cfg)
+def test_checkpoint_without_a_kind_holds_a_ratio_head(tiny):
+    """Heads saved before `length_head_kind` existed still load, as ratio heads."""
+    drafter = _with_head(tiny, None)
+    assert drafter.length_head.kind == "ratio"
+    assert not drafter.length_head.needs_confidence
+
+
+@pytest.mark.parametrize("kind", ["survival", "ratio"])
+def test_head_that_does_not_fit_is_rejected(tmp_path, tiny, kind):
+    drafter = _with_head(tiny, kind)
     state = dict(drafter.state_dict())
-    small = LengthHead(16, 32)
+    small = LengthHead(16, 32, num_drafts=K, kind=kind)
     state.update({f"length_head.{k}": v for k, v in small.state_dict().items()})
-    out = save_drafter(tmp_path / "bad", cfg, state)
-    with pytest.raises(ValueError, match="expects input 32"):
+    out = save_drafter(tmp_path / "bad", drafter.cfg, state)
+    with pytest.raises(ValueError, match="has shapes"):
         load_length_head(out)
+
+
+def test_survival_head_refuses_another_k():
+    head = LengthHead(8, 4, num_drafts=K)
+    with pytest.raises(ValueError, match="K=3"):
+        head.survival(torch.randn(2, 5, 8), torch.randn(2, 5, 3))
+
+
+def test_draft_confidence_matches_its_definition():
+    """(log p_top1, top1 - top2 logit, entropy), with -inf logits handled."""
+    logits = torch.randn(6, 30) * 3
+    logits[0, 5:] = float("-inf")
+    conf = draft_confidence(logits)
+    logp = logits.log_softmax(-1)
+    p = logp.exp()
+    top2 = logits.topk(2, -1).values
+    assert torch.allclose(conf[:, 0], logp.max(-1).values, atol=1e-5)
+    assert torch.allclose(conf[:, 1], top2[:, 0] - top2[:, 1], atol=1e-5)
+    ent = -(p * logp.nan_to_num(0.0, neginf=0.0)).sum(-1)
+    assert torch.allclose(conf[:, 2], ent, atol=1e-5)
+    assert torch.isfinite(conf).all()
+
+
+@pytest.mark.parametrize(
+    "accepted, valid, want",
+    [
+        # g = (0.9, 0.5, 0.2): P(a) = g1..ga * (1 - g_{a+1}) when a < n
+        (0, 3, 0.1),
+        (1, 3, 0.9 * 0.5),
+        (2, 3, 0.9 * 0.5 * 0.8),
+        (3, 3, 0.9 * 0.5 * 0.2),
+        # cut short by the sequence end (n = 2): a = n is censored, not refused
+        (2, 2, 0.9 * 0.5),
+    ],
+)
+def test_survival_nll_is_the_likelihood_of_the_accepted_length(accepted, valid, want):
+    g = torch.tensor([0.9, 0.5, 0.2])
+    logits = torch.log(g / (1 - g)).view(1, 1, 3)
+    nll = survival_nll(logits, torch.tensor([[accepted]]), torch.tensor([[valid]]))
+    assert nll.item() == pytest.approx(-math.log(want), rel=1e-5)
+
+
+def test_full_length_probabilities_sum_to_one():
+    """Over a = 0..K the likelihoods form a distribution (no mass lost)."""
+    logits = torch.randn(1, 1, K)
+    total = sum(
+        torch.exp(
+            -survival_nll(logits, torch.tensor([[a]]), torch.tensor([[K]]))
+        ).item()
+        for a in range(K + 1)
+    )
+    assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def test_budget_recall_is_one_for_the_oracle_and_lower_for_a_bad_ranking():
+    """The oracle's own survivals spend a budget perfectly; a ranking that puts
+    the blocks that accept nothing first does worse."""
+    torch.manual_seed(0)
+    accepted = torch.randint(0, K + 1, (64,))
+    oracle = (torch.arange(K) < accepted.unsqueeze(-1)).float()
+    assert all(
+        v == pytest.approx(1.0)
+        for v in budget_recall(oracle, accepted, group=8).values()
+    )
+    inverted = 1.0 - oracle
+    recall = budget_recall(inverted, accepted, group=8, fractions=(0.3,))
+    assert recall["0.3"] < 0.7
+
+
+def test_draft_confidence_in_chunks_equals_one_pass(monkeypatch):
+    """Chunking rows (to bound temporaries for a large vocabulary) changes
+    nothing."""
+    import adaflash_vllm.proposers.length_head as lh
+
+    logits = torch.randn(2, 7, 50)
+    whole = draft_confidence(logits)
+    monkeypatch.setattr(lh, "_CONFIDENCE_ROWS", 3)
+    assert torch.equal(draft_confidence(logits), whole)
+    assert whole.shape == (2, 7, 3)

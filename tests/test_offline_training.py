@@ -69,3 +69,60 @@ def test_resume_from_other_config_is_refused(tiny, tmp_path):
     trainer.save_resume_point(8)
     with pytest.raises(AdaFlashConfigError, match="another drafter or training"):
         _trainer(tiny, tmp_path, lr=1e-2).train(tiny.sequences[:8])
+
+
+def test_head_only_training_keeps_the_drafter_and_adds_a_survival_head(tiny, tmp_path):
+    """`train-drafter --init D --head-only`: the drafter's own tensors are
+    unchanged, the checkpoint gains a survival head with its calibration (how a
+    z-lab drafter, shipped without a head, gets one)."""
+    import argparse
+    import json
+
+    from adaflash_vllm.proposers.length_head import load_length_head
+    from adaflash_vllm.training.checkpoint import load_drafter
+    from adaflash_vllm.training.data import save_sequences
+    from adaflash_vllm.training.train_drafter import (
+        add_train_drafter_args,
+        main_train_drafter,
+    )
+
+    torch.set_num_threads(1)
+    seqs = tiny.sequences[:24]
+    out = tmp_path / "head"
+    save_sequences(out / "sequences.jsonl", seqs)  # no regeneration through vLLM
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(len(seqs)))
+    )
+    parser = argparse.ArgumentParser()
+    add_train_drafter_args(parser)
+    args = parser.parse_args(
+        f"--target {tiny.target} --prompts {prompts} --out {out} "
+        f"--init {tiny.drafter_trained} --head-only --length-head 16 "
+        "--head-epochs 2".split()
+    )
+    metrics = main_train_drafter(args)
+    _, before = load_drafter(tiny.drafter_trained)
+    _, after = load_drafter(out / "drafter")
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    head = load_length_head(out / "drafter")
+    assert head.kind == "survival" and head.bottleneck == 16
+    assert metrics["head_only"] and metrics["steps"] == 0
+    assert metrics["length_head_calibration"]["n"] > 0
+
+
+def test_head_only_needs_a_drafter_and_a_head_size(tiny, tmp_path):
+    import argparse
+
+    from adaflash_vllm.training.train_drafter import (
+        add_train_drafter_args,
+        main_train_drafter,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_train_drafter_args(parser)
+    args = parser.parse_args(
+        f"--target {tiny.target} --prompts x.jsonl --out {tmp_path} --head-only".split()
+    )
+    with pytest.raises(AdaFlashConfigError, match="--head-only"):
+        main_train_drafter(args)

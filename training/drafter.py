@@ -171,10 +171,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg["rms_norm_eps"])
         target_hidden = cfg.get("target_hidden_size") or h
         self.fc = nn.Linear(target_hidden * len(self.target_layer_ids), h, bias=False)
-        from adaflash_vllm.proposers.length_head import LengthHead, head_config
+        from adaflash_vllm.proposers.length_head import make_length_head
 
-        bottleneck = head_config(cfg)
-        self.length_head = LengthHead(h, bottleneck) if bottleneck else None
+        self.length_head = make_length_head(cfg)
 
     @property
     def block_size(self) -> int:

@@ -3,19 +3,31 @@
 Labels come from the recomputed target along the sequence for the whole block of
 K: the number of leading drafts that greedy verification accepts, over the block's
 valid slots. They are not limited to the prefix the head itself let through when
-serving, so the head's own truncation does not bias them. The head trains with MSE
-on detached drafter hidden states, so it never changes the drafter.
+serving, so the head's own truncation does not bias them. The head trains on
+detached drafter hidden states and confidence features, so it never changes the
+drafter.
 
-Shape symbols: B sequences, M anchors, K drafts per block, H hidden.
+Losses, per valid block with a accepted drafts out of n valid slots:
+
+    survival head (conditional acceptance g_k = sigmoid(c_k), slots k = 0..K-1):
+        -log P(a) = -sum_{k < a} log g_k - [a < n] log(1 - g_a)
+      the exact likelihood of the realised length (a block cut short by the end of
+      the sequence, a = n < K, is censored: no rejection term);
+    ratio head: (a_hat - a / n)^2.
+
+Shape symbols: B sequences, M anchors, K drafts per block, H hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from adaflash_vllm.proposers.budget import geometric_survival
 from adaflash_vllm.proposers.length_head import (
     LengthHead,
     acceptance_labels,
     calibration,
+    draft_confidence,
 )
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
@@ -24,23 +36,75 @@ from adaflash_vllm.training.blocks import (
     student_logits,
 )
 from adaflash_vllm.training.data import Sequence
+from tqdm import tqdm
 
 
 def head_targets(
     logits: torch.Tensor, labels: torch.Tensor, label_valid: torch.Tensor
-) -> torch.Tensor:
-    """Realised acceptance ratio per block [B, M] under greedy verification."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [B, M] under greedy verification, valid slots [B, M])."""
     accepted = accepted_lengths(logits.argmax(-1), labels, label_valid)
-    return acceptance_labels(accepted, label_valid.sum(-1))
+    return accepted, label_valid.sum(-1)
+
+
+def survival_nll(
+    cond_logits: torch.Tensor,  # [B, M, K] conditional acceptance logits
+    accepted: torch.Tensor,  # [B, M]
+    valid_slots: torch.Tensor,  # [B, M]
+) -> torch.Tensor:
+    """-log P(accepted length) per block [B, M] (module docstring)."""
+    k = torch.arange(cond_logits.shape[-1], device=cond_logits.device)
+    a, n = accepted.unsqueeze(-1), valid_slots.unsqueeze(-1)
+    took = (k < a).float()
+    refused = ((k == a) & (a < n)).float()
+    return -(
+        F.logsigmoid(cond_logits) * took + F.logsigmoid(-cond_logits) * refused
+    ).sum(-1)
+
+
+def _survival_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Tensor:
+    """Expected accepted fraction of each block's valid slots [B, M] from s
+    [B, M, K] (a block cut short by the sequence end has fewer than K)."""
+    k = torch.arange(survival.shape[-1], device=survival.device)
+    inside = (k < valid_slots.unsqueeze(-1)).float()
+    return (survival * inside).sum(-1) / valid_slots.float().clamp_min(1)
+
+
+def predicted_ratio(
+    head: LengthHead,
+    hidden: torch.Tensor,
+    confidence: torch.Tensor,
+    valid_slots: torch.Tensor,
+) -> torch.Tensor:
+    """The head's predicted accepted fraction of each block's valid slots [B, M]."""
+    if head.kind == "survival":
+        return _survival_ratio(head.survival(hidden, confidence), valid_slots)
+    return head.ratio(hidden)
 
 
 def head_loss(
-    head: LengthHead, hidden: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """MSE between predicted and realised ratios over valid blocks (hidden detached)."""
-    pred = head(hidden.detach())
-    err = (pred - ratio) ** 2 * mask
-    return err.sum() / mask.sum().clamp_min(1)
+    head: LengthHead,
+    hidden: torch.Tensor,  # [B, M, K, H] drafter outputs at the masks
+    confidence: torch.Tensor,  # [B, M, K, 3] draft_confidence of its logits
+    accepted: torch.Tensor,  # [B, M]
+    valid_slots: torch.Tensor,  # [B, M]
+    mask: torch.Tensor,  # [B, M] 1.0 for blocks that count
+) -> tuple[torch.Tensor, float]:
+    """(training loss over valid blocks, MSE of the predicted ratio for logs).
+    Inputs are detached here: the head never trains the drafter."""
+    hidden, confidence = hidden.detach(), confidence.detach()
+    ratio = acceptance_labels(accepted, valid_slots)
+    denom = mask.sum().clamp_min(1)
+    if head.kind == "survival":
+        cond = head.logits(hidden, confidence)
+        loss = (survival_nll(cond, accepted, valid_slots) * mask).sum() / denom
+        with torch.no_grad():
+            pred = _survival_ratio(torch.sigmoid(cond).cumprod(-1), valid_slots)
+    else:
+        pred = head.ratio(hidden)
+        loss = ((pred - ratio) ** 2 * mask).sum() / denom
+    mse = float((((pred.detach() - ratio) ** 2) * mask).sum() / denom)
+    return loss, mse
 
 
 def _blocks(drafter, target, seqs, num_drafts, num_anchors, generator):
@@ -50,10 +114,48 @@ def _blocks(drafter, target, seqs, num_drafts, num_anchors, generator):
     )
     with torch.no_grad():
         logits, hidden = student_logits(drafter, target, batch, features, num_drafts)
+        confidence = draft_confidence(logits)
     labels, label_valid, _ = block_labels(batch, num_drafts)
-    ratio = head_targets(logits, labels, label_valid)
+    accepted, valid_slots = head_targets(logits, labels, label_valid)
     mask = (batch.anchor_valid & label_valid.any(-1)).float()
-    return hidden, ratio, mask
+    return hidden, confidence, accepted, valid_slots, mask
+
+
+@torch.no_grad()
+def _head_inputs(
+    head: LengthHead,
+    drafter,
+    target,
+    seqs: list[Sequence],
+    *,
+    num_drafts: int,
+    batch_size: int,
+    num_anchors: int | None,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's inputs x [N, F], accepted [N] and valid slots [N] of every
+    valid block of `seqs` (one drafter pass: the head then trains on these)."""
+    xs, accs, valids = [], [], []
+    for i in tqdm(
+        range(0, len(seqs), batch_size),
+        desc="length head: blocks",
+        unit="batch",
+        disable=len(seqs) < 64,
+    ):
+        hidden, confidence, accepted, valid_slots, mask = _blocks(
+            drafter,
+            target,
+            seqs[i : i + batch_size],
+            num_drafts,
+            num_anchors,
+            generator,
+        )
+        keep = mask.bool()
+        conf = confidence if head.needs_confidence else None
+        xs.append(head.inputs(hidden, conf)[keep])
+        accs.append(accepted[keep])
+        valids.append(valid_slots[keep])
+    return torch.cat(xs), torch.cat(accs), torch.cat(valids)
 
 
 def train_length_head(
@@ -67,26 +169,90 @@ def train_length_head(
     lr: float = 2e-3,
     batch_size: int = 8,
     num_anchors: int | None = 32,
+    block_batch: int = 1024,
     seed: int = 0,
 ) -> list[float]:
-    """Fit the head to the (frozen) drafter's realised acceptance; returns losses."""
+    """Fit the head to the (frozen) drafter's realised acceptance; returns losses.
+
+    The drafter runs once over `seqs` (`batch_size` sequences at a time,
+    `num_anchors` random blocks per sequence, None = every position); the head
+    then trains `epochs` passes over those blocks, `block_batch` at a time."""
     drafter.eval()
-    opt = torch.optim.AdamW(head.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
+    x, accepted, valid_slots = _head_inputs(
+        head,
+        drafter,
+        target,
+        seqs,
+        num_drafts=num_drafts,
+        batch_size=batch_size,
+        num_anchors=num_anchors,
+        generator=gen,
+    )
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    ratio = acceptance_labels(accepted, valid_slots)
     losses = []
     for _ in range(epochs):
-        order = torch.randperm(len(seqs), generator=gen).tolist()
-        for i in range(0, len(order), batch_size):
-            chunk = [seqs[j] for j in order[i : i + batch_size]]
-            hidden, ratio, mask = _blocks(
-                drafter, target, chunk, num_drafts, num_anchors, gen
-            )
-            loss = head_loss(head, hidden, ratio, mask)
+        order = torch.randperm(x.shape[0], generator=gen)
+        for i in range(0, x.shape[0], block_batch):
+            idx = order[i : i + block_batch]
+            out = head.mlp(x[idx])
+            if head.kind == "survival":
+                loss = survival_nll(out, accepted[idx], valid_slots[idx]).mean()
+            else:
+                loss = ((torch.sigmoid(out.squeeze(-1)) - ratio[idx]) ** 2).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             losses.append(loss.item())
+    head.eval()
     return losses
+
+
+BUDGET_FRACTIONS = (0.15, 0.3, 0.5)
+BUDGET_GROUP = 32  # blocks per simulated step
+
+
+def budget_recall(
+    survival: torch.Tensor,  # [N, K] predicted survival per block
+    accepted: torch.Tensor,  # [N] realised accepted drafts
+    *,
+    fractions: tuple[float, ...] = BUDGET_FRACTIONS,
+    group: int = BUDGET_GROUP,
+) -> dict[str, float]:
+    """How well a survival estimate spends a verification budget: in groups of
+    `group` blocks (one simulated step), verify the `fraction * group * K` slots
+    with the highest predicted survival (a prefix per block, as cost_aware does)
+    and count the drafts accepted within them, as a share of what an oracle that
+    knows every block's accepted length gets from the same budget."""
+    n, k = survival.shape
+    n -= n % group
+    if n == 0:
+        return {}
+    # Steps mix blocks of different requests: shuffle (fixed seed) before grouping.
+    order = torch.randperm(
+        survival.shape[0], generator=torch.Generator().manual_seed(0)
+    )
+    s = survival[order[:n]].float().reshape(-1, group * k)
+    acc = accepted[order[:n]].float().reshape(-1, group)
+    rank = torch.arange(k, dtype=torch.float32)
+    # The oracle's survivals: 1 up to the accepted length (ties broken by slot).
+    oracle = (rank < acc.unsqueeze(-1)).float().reshape(-1, group * k)
+    out = {}
+    for f in fractions:
+        budget = max(1, int(f * group * k))
+
+        def got(scores: torch.Tensor, budget=budget) -> float:
+            # Later slots rank lower on ties, so each block's choice is a prefix.
+            tie = (rank * 1e-6).repeat(group)
+            top = (scores - tie).topk(budget, dim=-1).indices
+            chosen = torch.zeros_like(scores).scatter_(1, top, 1.0)
+            k_i = chosen.view(-1, group, k).sum(-1)
+            return float(torch.minimum(acc, k_i).sum())
+
+        out[f"{f:g}"] = got(s) / max(got(oracle), 1e-9)
+    return out
 
 
 @torch.no_grad()
@@ -101,14 +267,27 @@ def evaluate_length_head(
 ) -> dict:
     """Calibration (MAE, ECE, and the MAE of a constant predictor) on `seqs`, every
     response position used as an anchor."""
-    preds, reals = [], []
+    preds, reals, head_s, conf_s, accs = [], [], [], [], []
     for i in range(0, len(seqs), batch_size):
-        hidden, ratio, mask = _blocks(
+        hidden, confidence, accepted, valid_slots, mask = _blocks(
             drafter, target, seqs[i : i + batch_size], num_drafts, None, None
         )
         keep = mask.bool()
-        preds.append(head(hidden)[keep])
-        reals.append(ratio[keep])
+        pred = predicted_ratio(head, hidden, confidence, valid_slots)
+        preds.append(pred[keep])
+        reals.append(acceptance_labels(accepted, valid_slots)[keep])
+        full = keep & (valid_slots == num_drafts)  # budgets see whole blocks
+        if head.kind == "survival":
+            survival = head.survival(hidden, confidence)
+        else:
+            survival = geometric_survival(head.ratio(hidden), num_drafts)
+        head_s.append(survival[full])
+        conf_s.append(confidence[..., 0].exp().cumprod(-1)[full])
+        accs.append(accepted[full])
     if not preds:
         return calibration(torch.empty(0), torch.empty(0))
-    return calibration(torch.cat(preds), torch.cat(reals))
+    result = calibration(torch.cat(preds), torch.cat(reals))
+    acc = torch.cat(accs)
+    result["budget_recall"] = budget_recall(torch.cat(head_s), acc)
+    result["budget_recall_confidence"] = budget_recall(torch.cat(conf_s), acc)
+    return result

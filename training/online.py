@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from adaflash_vllm.proposers.length_head import draft_confidence
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
     block_labels,
@@ -422,13 +423,25 @@ class OnlineTrainer:
         head_mse = 0.0
         if self.drafter.length_head is not None:
             # Labels over the whole block of K, from the recomputed target.
-            ratio = head_targets(logits.detach(), labels, label_valid)
+            with torch.no_grad():
+                accepted, valid_slots = head_targets(logits, labels, label_valid)
+                confidence = draft_confidence(logits)
             mask = (batch.anchor_valid & label_valid.any(-1)).float()
-            h_loss = head_loss(self.drafter.length_head, hidden, ratio, mask)
-            loss, head_mse = loss + h_loss, h_loss.item()
+            h_loss, head_mse = head_loss(
+                self.drafter.length_head,
+                hidden,
+                confidence,
+                accepted,
+                valid_slots,
+                mask,
+            )
+            loss = loss + h_loss
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        # Per group: the head's loss (a likelihood, detached inputs) must not
+        # scale the drafter's step through a shared gradient norm.
+        for group in self.optimizer.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], self.cfg.grad_clip)
         self.optimizer.step()
         acc, blocks = 0.0, 0
         if measure_accept:

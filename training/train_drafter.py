@@ -13,13 +13,14 @@ Run: adaflash train-drafter --target examples/demo/target \
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from adaflash_vllm.proposers.length_head import CONFIG_KEY
+from adaflash_vllm.proposers.length_head import CONFIG_KEY, KIND_KEY, make_length_head
 from adaflash_vllm.training.checkpoint import drafter_config
 from adaflash_vllm.training.data import (
     Sequence,
@@ -81,7 +82,22 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
         metavar="D",
         help="train a length head with bottleneck D after the drafter (0: none)",
     )
-    p.add_argument("--head-epochs", type=int, default=4)
+    p.add_argument(
+        "--head-only",
+        action="store_true",
+        help="keep the --init drafter's weights and train only a new length head "
+        "(e.g. for a z-lab drafter, which ships without one)",
+    )
+    p.add_argument(
+        "--head-epochs", type=int, default=20, help="passes over the head's blocks"
+    )
+    p.add_argument(
+        "--head-anchors",
+        type=int,
+        default=None,
+        help="blocks per sequence for the head (default: every position; each "
+        "block keeps 2 * hidden + 3 * K floats in memory)",
+    )
     p.add_argument("--head-lr", type=float, default=2e-3)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -94,6 +110,18 @@ def default_layer_ids(num_layers: int, count: int = 3) -> list[int]:
     lo, hi = 1, num_layers - 2
     n = min(count, hi - lo + 1)
     return sorted({round(lo + i * (hi - lo) / max(1, n - 1)) for i in range(n)})
+
+
+def _replace_length_head(drafter, bottleneck: int, seed: int) -> None:
+    """Give `drafter` a fresh survival length head of bottleneck D (its config
+    names it, so the checkpoint it saves loads with the head), initialised from
+    `seed` alone (not from whatever head the checkpoint had)."""
+    import torch
+
+    dflash = drafter.cfg.setdefault("dflash_config", {})
+    dflash[CONFIG_KEY], dflash[KIND_KEY] = bottleneck, "survival"
+    torch.manual_seed(seed)
+    drafter.length_head = make_length_head(drafter.cfg)
 
 
 def mask_token_of(target: Path) -> int:
@@ -141,6 +169,11 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     import torch
     from adaflash_vllm.training.features import TargetModel
 
+    if args.head_only and not (args.init and args.length_head):
+        raise AdaFlashConfigError(
+            "--head-only trains a length head for an existing drafter: give --init "
+            "DRAFTER and --length-head D (D > 0)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = Path(args.target)
@@ -189,6 +222,8 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     )
     if args.init:
         drafter = load_or_init_drafter(args.init, None)
+        if args.head_only:
+            _replace_length_head(drafter, args.length_head, args.seed)
     else:
         layer_ids = args.target_layer_ids or default_layer_ids(tgt.num_layers)
         drafter = load_or_init_drafter(
@@ -200,17 +235,21 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
                 mask_token_id=mask_token_of(target),
                 block_size=args.block_size,
                 extra_dflash=(
-                    {CONFIG_KEY: args.length_head} if args.length_head else None
+                    {CONFIG_KEY: args.length_head, KIND_KEY: "survival"}
+                    if args.length_head
+                    else None
                 ),
             ),
         )
-    k = args.block_size - 1
+    k = drafter.block_size - 1
+    # A drafter from --init keeps its own block size.
+    cfg = dataclasses.replace(cfg, block_size=drafter.block_size)
     before = evaluate_tau(drafter, tgt, eval_seqs, k)
     trainer = OfflineTrainer(tgt, drafter, cfg, out)
     t0 = time.perf_counter()
-    state = trainer.train(train_seqs)
+    state = trainer.state if args.head_only else trainer.train(train_seqs)
     wall = time.perf_counter() - t0
-    after = evaluate_tau(drafter, tgt, eval_seqs, k)
+    after = before if args.head_only else evaluate_tau(drafter, tgt, eval_seqs, k)
     head_metrics = None
     if drafter.length_head is not None:
         losses = train_length_head(
@@ -221,12 +260,13 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
             num_drafts=k,
             epochs=args.head_epochs,
             lr=args.head_lr,
+            num_anchors=args.head_anchors,
             seed=args.seed,
         )
         head_metrics = evaluate_length_head(
             drafter.length_head, drafter, tgt, eval_seqs, num_drafts=k
         )
-        head_metrics["final_train_mse"] = losses[-1] if losses else None
+        head_metrics["final_train_loss"] = losses[-1] if losses else None
     metrics = {
         "tau_eval_before": before["tau"],
         "tau_eval": after["tau"],
@@ -241,6 +281,7 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
         "target": str(target),
         "prompts": str(args.prompts),
         "length_head_calibration": head_metrics,
+        "head_only": bool(args.head_only),
     }
     trainer.save_checkpoint(out / "drafter", metrics=metrics)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -42,6 +42,9 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
     also profiled the step-cost curve, refreshed it online and chose by it."""
     budget = policy_llm["budget"]
     assert budget["has_length_head"] is True
+    # The survival head read the confidence of the drafts' own logits.
+    assert budget["length_head_kind"] == "survival"
+    assert budget["survival"] == "HeadSurvival"
     assert (
         budget["policy"]
         == {"paper": "PaperBudget", "cost_aware": "CostAwareBudget"}[policy_llm["mode"]]
