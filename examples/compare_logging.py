@@ -1,24 +1,28 @@
-"""What does trajectory logging cost? AdaFlash with online distillation's logging
-on (every finished request written to the buffer; no trainer, so nothing else of
-the online path runs) vs the same AdaFlash configuration without it, on the demo
-models, offline, both engines in one process, measured in alternating rounds so
-that a slow spell of the machine hits both alike.
+"""What does trajectory logging cost? AdaFlash with online distillation on but no
+trainer (every finished request is written to the buffer and the versions folder
+is polled; no version ever comes) vs the same AdaFlash configuration without
+online distillation, on the demo models, offline, both engines in one process,
+measured in alternating rounds so that a slow spell of the machine hits both
+alike.
 
 Run (about 8 minutes on 2 cores):
     taskset -c 0 python examples/compare_logging.py --rounds 40
 
-Per round it prints both engines' tok/s and engine-core CPU ms per output token,
+Per round it prints both engines' tok/s and CPU ms per output token (of the
+engine's own processes: engine core with the log writer thread, and its worker),
 then the logging / plain-AdaFlash ratio of the means with a 95% interval over the
 per-round ratios (the rounds are paired), the records the buffer received, and one
-JSON line.
+JSON line. `--pool OUTPUT...` pools the rounds of runs saved that way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -57,21 +61,29 @@ def _engine(spec: dict, concurrency: int):
     )
 
 
-def _engine_cpu_s(llm) -> float:
-    """CPU seconds (user + system) of the engine-core process and its threads."""
+def _children() -> set[int]:
     import psutil
 
-    procs = psutil.Process().children(recursive=True)
-    core = [p for p in procs if "EngineCore" in " ".join(p.cmdline() or [p.name()])]
-    procs = core or procs
-    return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _round(llm, prompts, params) -> tuple[float, float, int]:
-    """(tok/s, engine CPU ms per output token, output tokens) of one round."""
-    cpu0, t0 = _engine_cpu_s(llm), time.perf_counter()
+def _cpu_s(pids: set[int]) -> float:
+    """CPU seconds (user + system, all threads) of processes `pids`."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += sum(psutil.Process(pid).cpu_times()[:2])
+    return total
+
+
+def _round(llm, pids, prompts, params) -> tuple[float, float, int]:
+    """(tok/s, engine CPU ms per output token, output tokens) of one round; the
+    engine's CPU is that of the processes it started (engine core, workers)."""
+    cpu0, t0 = _cpu_s(pids), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall, cpu = time.perf_counter() - t0, _engine_cpu_s(llm) - cpu0
+    wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return tokens / wall, 1e3 * cpu / tokens, tokens
 
@@ -84,13 +96,56 @@ def _mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+_ROUND = re.compile(
+    r"adaflash\s+([\d.]+) tok/s\s+([\d.]+) cpu-ms/tok\s+"
+    r"logging\s+([\d.]+) tok/s\s+([\d.]+) cpu-ms/tok"
+)
+
+
+def pool(paths: list[str]) -> None:
+    """The ratios over every round printed by earlier runs (their saved output)."""
+    tok, cpu = [], []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            m = _ROUND.search(line)
+            if m:
+                a_tok, a_cpu, l_tok, l_cpu = map(float, m.groups())
+                tok.append(l_tok / a_tok)
+                cpu.append(l_cpu / a_cpu)
+    (tok_m, tok_h), (cpu_m, cpu_h) = _mean_ci(tok), _mean_ci(cpu)
+    print(
+        f"{len(tok)} rounds: logging / adaflash tok/s {tok_m:.3f} +- {tok_h:.3f} "
+        f"(95%), engine CPU per token {cpu_m:.3f} +- {cpu_h:.3f}"
+    )
+    print(
+        json.dumps(
+            {
+                "rounds": len(tok),
+                "tok_s_ratio_mean": tok_m,
+                "tok_s_ratio_ci95": tok_h,
+                "cpu_per_token_ratio_mean": cpu_m,
+                "cpu_per_token_ratio_ci95": cpu_h,
+            }
+        )
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--num-prompts", type=int, default=32, help="per round")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="OUTPUT",
+        help="no run: pool the rounds of earlier runs from their saved output",
+    )
     args = p.parse_args()
+    if args.pool:
+        pool(args.pool)
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine (two here)
     from vllm import SamplingParams
@@ -98,10 +153,11 @@ def main() -> None:
     from adaflash_vllm.buffer import BufferReader
 
     root = Path(tempfile.mkdtemp(prefix="adaflash-logging-"))
-    engines = {
-        "adaflash": _engine(_spec(None), args.concurrency),
-        "logging": _engine(_spec(root), args.concurrency),
-    }
+    engines, pids = {}, {}
+    for name, spec in (("adaflash", _spec(None)), ("logging", _spec(root))):
+        before = _children()
+        engines[name] = _engine(spec, args.concurrency)
+        pids[name] = _children() - before  # this engine's own processes
     raw = [
         json.loads(line)["prompt"]
         for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
@@ -122,7 +178,7 @@ def main() -> None:
         batch = [prompts[(i * n + j) % len(prompts)] for j in range(n)]
         order = list(engines) if i % 2 == 0 else list(reversed(engines))
         for name in order:
-            rows[name].append(_round(engines[name], batch, params))
+            rows[name].append(_round(engines[name], pids[name], batch, params))
         a, lg = rows["adaflash"][-1], rows["logging"][-1]
         print(
             f"round {i + 1:3d}  adaflash {a[0]:7.1f} tok/s {a[1]:6.3f} cpu-ms/tok  "

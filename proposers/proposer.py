@@ -171,7 +171,7 @@ class AdaFlashProposer(DFlashProposer):
         # A restarted engine resumes from the newest good version: the scheduler
         # orders that swap for the first step (one source of truth for the version).
 
-    def _usable_length_head(self):
+    def _usable_length_head(self) -> torch.nn.Module | None:
         """The drafter's length head, unless it was trained for another K (a
         survival head reads K slots' features; startup checks refuse this when
         the head is required)."""
