@@ -229,13 +229,17 @@ class OnlineController:
             self.version = order.version
             self.counters.swaps += 1
             self.live_rounds = RoundWindow(max(1, self.cfg.gate_window))
+            staging = result.get("staging") or {}
             logger.info(
-                "AdaFlash: drafter version %d live (%s; step stalled %.1f ms, "
-                "fetched and checked in the background in %.1f ms)",
+                "AdaFlash: drafter version %d live (%s; received in the background "
+                "in %.1f ms, checked and staged over %d steps in %.1f ms; no step "
+                "waited more than %.1f ms)",
                 order.version,
                 result.get("via"),
-                self.counters.last_swap_stall_ms,
                 1e3 * result.get("fetch_s", 0.0),
+                staging.get("steps", 0),
+                1e3 * staging.get("stage_s", 0.0),
+                self.counters.last_swap_stall_ms,
             )
         else:
             self.counters.swap_failures += 1

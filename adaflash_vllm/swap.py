@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.logger import init_logger
@@ -81,6 +83,14 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Raise SwapRejected unless `state` has exactly the drafter's keys and shapes,
     and only finite values."""
+    check_shapes(model, state)
+    for _ in _finite_checks(state):
+        pass
+
+
+def check_shapes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise SwapRejected unless `state` has exactly the drafter's keys and
+    shapes, none of them target-owned."""
     shapes = expected_shapes(model)
     owned = [k for k in state if "embed_tokens" in k or "lm_head" in k]
     if owned:
@@ -94,8 +104,30 @@ def validate_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         got = tuple(state[key].shape)
         if got != shape:
             raise SwapRejected(f"{key}: shape {got}, drafter has {shape}")
-        if not torch.isfinite(state[key]).all():
-            raise SwapRejected(f"{key}: NaN or inf values")
+
+
+_FINITE_CHUNK = 1 << 20  # elements per finite check (one unit of staged work)
+
+
+def _finite_checks(state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Check every value is finite, one chunk per step of the iteration; raise
+    SwapRejected at the first tensor with NaN or inf."""
+    for key, value in state.items():
+        for chunk in value.reshape(-1).split(_FINITE_CHUNK):
+            if not _all_finite(chunk):
+                raise SwapRejected(f"{key}: NaN or inf values")
+            yield
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t`. On CPU through numpy, whose check is ~10x faster than
+    torch's there (6.4 vs 0.6 ms for the demo drafter; it runs on the engine's
+    cores while they serve)."""
+    if t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())
+    if t.dtype not in (torch.float16, torch.float32, torch.float64):
+        t = t.float()  # bfloat16 has no numpy dtype
+    return bool(np.isfinite(t.detach().numpy()).all())
 
 
 @dataclass
@@ -128,12 +160,30 @@ def _stage_copy(param: torch.Tensor, value: torch.Tensor, staged: StagedState) -
     staged.copies.append((param.data, value.to(dtype=param.dtype)))
 
 
-@torch.no_grad()
 def stage_drafter_state(
     model: nn.Module, state: dict[str, torch.Tensor]
 ) -> StagedState:
-    """Prepare a validated `state` for `write_staged` (safe in a background
-    thread: it reads the live model's layout, never its values)."""
+    """Prepare a validated `state` for `write_staged` at once."""
+    steps = staging_steps(model, state, check=False)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.no_grad()
+def staging_steps(
+    model: nn.Module, state: dict[str, torch.Tensor], *, check: bool = True
+) -> Generator[None, None, StagedState]:
+    """Check (unless `check` is False: the caller did) and stage `state` in small
+    units of work, one per iteration (a finite check of up to 1M values, one
+    linear's re-pack); returns the StagedState. It reads the live model's layout,
+    never its values, so it may run in any thread or in slices between steps.
+    Raises SwapRejected for a state that fails the checks."""
+    if check:
+        check_shapes(model, state)
+        yield from _finite_checks(state)
     staged = StagedState(packed=[], copies=[])
     inner = model.model
     fused_kv, k_norms = [], []
@@ -149,7 +199,9 @@ def stage_drafter_state(
             torch.cat([state[p + "self_attn.q_proj.weight"], k, v]),
             staged,
         )
+        yield
         _stage_linear(attn.o_proj, state[p + "self_attn.o_proj.weight"], staged)
+        yield
         _stage_copy(attn.q_norm.weight, state[p + "self_attn.q_norm.weight"], staged)
         _stage_copy(attn.k_norm.weight, state[p + "self_attn.k_norm.weight"], staged)
         _stage_linear(
@@ -159,7 +211,9 @@ def stage_drafter_state(
             ),
             staged,
         )
+        yield
         _stage_linear(layer.mlp.down_proj, state[p + "mlp.down_proj.weight"], staged)
+        yield
         _stage_copy(
             layer.input_layernorm.weight, state[p + "input_layernorm.weight"], staged
         )
@@ -175,6 +229,7 @@ def stage_drafter_state(
     _stage_copy(inner.hidden_norm.weight, state["hidden_norm.weight"], staged)
     if "fc.weight" in state:
         _stage_linear(inner.fc, state["fc.weight"], staged)
+        yield
     head = getattr(model, "length_head", None)
     if head is not None:
         for name, param in head.state_dict().items():
@@ -226,30 +281,50 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+STAGE_BUDGET_S = 0.002
+"""Staging work one step may carry in the `slices` mode (checks, re-packs)."""
+
+
 @dataclass
 class _Fetch:
-    """One version being fetched and checked off the step path."""
+    """One version being received (background thread), then checked and staged
+    in slices between steps."""
 
     version: int
     thread: threading.Thread | None = None
     state: dict[str, torch.Tensor] | None = None
+    steps: Generator[None, None, StagedState] | None = None
     staged: StagedState | None = None
     via: str = "folder"
     error: str | None = None
-    fetch_s: float = 0.0
+    fetch_s: float = 0.0  # receiving, in the background
+    stage_s: float = 0.0  # checking and staging, summed over the steps
+    stage_steps: int = 0  # steps that carried a slice of it
+    max_slice_s: float = 0.0  # the most any one step waited for it
 
 
 class DrafterSwapper:
     """Worker side of online swaps: fetch a version (push, else its folder), check
     it, write it in place, record the version.
 
-    Fetching and checking run in a background thread, so a step only pays for the
-    in-place writes: the first order for a version starts the fetch and answers
-    "pending" (the scheduler orders it again next step); an order that finds the
-    fetch done writes the state. A resume at startup (no traffic yet) runs inline.
+    Receiving runs in a background thread (it blocks on the trainer or the disk).
+    Checking and staging (`staging_steps`) then run as `staging` says:
+
+        thread    in the fetch thread, beside the steps (default; with a spare
+                  core it costs the steps nothing);
+        slices    between steps, about `STAGE_BUDGET_S` per step (bounded work
+                  per step, no thread competing with the steps for a core);
+        one_step  all in the step that writes the version.
+
+    The step that finds the version staged writes it (handle assignments and
+    in-place copies). Until then each order answers "pending" and the scheduler
+    orders it again next step. A resume at startup (no traffic yet) runs inline.
+    On one shared CPU core the three cost about the same in total (BENCHMARKS.md,
+    swap cost).
 
     Args:
         model: the live vLLM drafter (`AdaFlashDFlashForCausalLM`).
+        staging: "thread", "slices" or "one_step".
         push_timeout_s: bound on every wait for the trainer.
         backend: "gloo" on CPU, "nccl" on GPU.
     """
@@ -260,11 +335,15 @@ class DrafterSwapper:
         *,
         push_timeout_s: float,
         backend: str,
+        staging: str = "thread",
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
         from adaflash_vllm.transport import WorkerChannel
 
+        if staging not in ("slices", "thread", "one_step"):
+            raise ValueError(f"unknown swap staging {staging!r}")
+        self.staging = staging
         self.model = model
         self.tp_size = tp_size
         self.channel = WorkerChannel(
@@ -272,6 +351,7 @@ class DrafterSwapper:
         )
         self._push_broken_session: str | None = None
         self._fetch: _Fetch | None = None
+        self.timeline: list[tuple[str, float, float, float]] | None = None  # debug
 
     def load_folder(self, path: str, version: int) -> None:
         from adaflash_vllm.training.checkpoint import load_drafter
@@ -289,7 +369,8 @@ class DrafterSwapper:
             )
         fetch = self._fetch
         if order.reason == "resume":
-            fetch = self._fetch_and_check(_Fetch(order.version), order)
+            fetch = self._receive(_Fetch(order.version), order)
+            self._stage(fetch, budget_s=None)
         elif fetch is not None and fetch.thread.is_alive():
             # One fetch at a time on the channel (a newer order waits for it).
             return _result(order, t0, pending=True)
@@ -297,27 +378,44 @@ class DrafterSwapper:
             # A newer version replaces a finished fetch of an older one.
             self._fetch = fetch = _Fetch(order.version)
             fetch.thread = threading.Thread(
-                target=self._fetch_and_check,
+                target=self._receive,
                 args=(fetch, order),
                 name="adaflash-fetch",
                 daemon=True,
             )
             fetch.thread.start()
             return _result(order, t0, pending=True)
+        elif (
+            fetch.staged is None
+            and fetch.error is None
+            and not self._stage(fetch, budget_s=self._step_budget())
+        ):
+            return _result(order, t0, pending=True)
         self._fetch = None
         if fetch.error is not None or fetch.staged is None:
             return _result(order, t0, error=fetch.error or "fetch failed")
+        written = time.perf_counter()
         try:
             write_staged(fetch.staged)
         except (RuntimeError, ValueError) as e:
             return _result(order, t0, error=str(e))
+        now = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.append(("write", written, now, now - written))
         self.model.drafter_version = order.version
-        return _result(order, t0, via=fetch.via, fetch_s=fetch.fetch_s)
+        return _result(
+            order,
+            t0,
+            via=fetch.via,
+            fetch_s=fetch.fetch_s,
+            stall_s=max(now - t0, fetch.max_slice_s),
+            staging={"stage_s": fetch.stage_s, "steps": fetch.stage_steps},
+        )
 
-    def _fetch_and_check(self, fetch: _Fetch, order) -> _Fetch:
-        """Fill `fetch` with the version's checked state (push, else its folder),
-        or with the error that makes it unusable."""
-        t0 = time.perf_counter()
+    def _receive(self, fetch: _Fetch, order) -> _Fetch:
+        """Fill `fetch.state` with the version's tensors (push, else its folder),
+        or `fetch.error` with why it cannot be had."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         push = order.push
         if push and push.get("session") != self._push_broken_session:
             try:
@@ -337,14 +435,47 @@ class DrafterSwapper:
                 from adaflash_vllm.training.checkpoint import load_drafter
 
                 _, fetch.state = load_drafter(order.path)
-            validate_state(self.model, fetch.state)
-            fetch.staged = stage_drafter_state(self.model, fetch.state)
-            fetch.state = None  # the staged tensors are all a swap needs now
         except Exception as e:  # noqa: BLE001  (a background fetch must not die silently)
-            fetch.state, fetch.staged = None, None
-            fetch.error = f"{type(e).__name__}: {e}"
+            fetch.state, fetch.error = None, f"{type(e).__name__}: {e}"
+        if self.staging == "thread" and order.reason != "resume":
+            self._stage(fetch, budget_s=None, record=False)
         fetch.fetch_s = time.perf_counter() - t0
+        if self.timeline is not None:
+            cpu = time.thread_time() - cpu0
+            self.timeline.append(("fetch", t0, t0 + fetch.fetch_s, cpu))
         return fetch
+
+    def _step_budget(self) -> float | None:
+        return STAGE_BUDGET_S if self.staging == "slices" else None
+
+    def _stage(
+        self, fetch: _Fetch, *, budget_s: float | None, record: bool = True
+    ) -> bool:
+        """Run the received state's checks and staging for about `budget_s`
+        (None: to the end). Returns True once it is staged or has failed.
+        `record`: count the time as steps' (False in the fetch thread)."""
+        if fetch.error is not None:
+            return True
+        t0 = time.perf_counter()
+        try:
+            if fetch.steps is None:
+                fetch.steps = staging_steps(self.model, fetch.state)
+            while budget_s is None or time.perf_counter() - t0 < budget_s:
+                next(fetch.steps)
+            done = False
+        except StopIteration as finished:
+            fetch.staged, fetch.state, done = finished.value, None, True
+        except Exception as e:  # noqa: BLE001  (a bad version is a result, not a crash)
+            fetch.state, fetch.error, done = None, f"{type(e).__name__}: {e}", True
+        if not record:
+            return done
+        spent = time.perf_counter() - t0
+        fetch.stage_s += spent
+        fetch.stage_steps += 1
+        fetch.max_slice_s = max(fetch.max_slice_s, spent)
+        if self.timeline is not None:
+            self.timeline.append(("stage", t0, t0 + spent, spent))
+        return done
 
 
 def _result(
@@ -355,13 +486,18 @@ def _result(
     pending: bool = False,
     via: str | None = None,
     fetch_s: float = 0.0,
+    stall_s: float | None = None,
+    staging: dict | None = None,
 ) -> dict:
-    """What a worker reports for an order; `stall_s` is the time the step waited."""
+    """What a worker reports for an order; `stall_s` is the longest any one step
+    waited for this swap (default: this step, since `t0`)."""
     result = {
         "ok": error is None and not pending,
         "version": order.version,
-        "stall_s": time.perf_counter() - t0,
+        "stall_s": time.perf_counter() - t0 if stall_s is None else stall_s,
     }
+    if staging is not None:
+        result["staging"] = staging
     if pending:
         result["pending"] = True
     if error is not None:

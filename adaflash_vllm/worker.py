@@ -41,6 +41,12 @@ class AdaFlashWorkerExtension:
             drafter.captures = []
         return captures
 
+    def adaflash_timeline(self, enable: bool) -> list[tuple[str, float, float, float]]:
+        """The proposer's recorded events (propose starts, swap fetches and
+        writes; perf_counter seconds) since the last call; records on if
+        `enable`."""
+        return self.model_runner.drafter.record_timeline(enable)
+
     def adaflash_checksums(self) -> dict[str, str]:
         """Exact checksums of the target's parameters and the drafter's own ones
         (never-touch-the-target checks)."""

@@ -122,6 +122,8 @@ class AdaFlashProposer(DFlashProposer):
         self._deferred = _DeferredContext()  # context K/V of skipped steps
         self._budgets: dict[str, int] | None = None
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
+        # debug: (event, start, end, cpu seconds), see record_timeline()
+        self.timeline: list[tuple[str, float, float, float]] | None = None
 
     @override
     def _get_model(self):
@@ -163,6 +165,7 @@ class AdaFlashProposer(DFlashProposer):
         online = self.adaflash.online
         self.swapper = DrafterSwapper(
             self.model,
+            staging=online.swap_staging,
             push_timeout_s=online.push_timeout_s,
             backend="nccl" if self.device.type == "cuda" else "gloo",
             tp_rank=get_tensor_model_parallel_rank(),
@@ -246,6 +249,8 @@ class AdaFlashProposer(DFlashProposer):
     @override
     def propose(self, *args, **kwargs) -> torch.Tensor:
         started = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.append(("propose", started, started, 0.0))
         self._budgets = None
         cad = kwargs.get("common_attn_metadata")  # vLLM passes keywords only
         if (
@@ -503,6 +508,17 @@ class AdaFlashProposer(DFlashProposer):
                 .tolist(),
             }
         )
+
+    def record_timeline(self, enable: bool) -> list[tuple[str, float, float, float]]:
+        """Debugging and benchmarks: return the events recorded so far, as
+        (kind, perf_counter start, end, CPU seconds of its thread): each
+        propose's start, swap fetches in the background and writes between steps;
+        then start afresh, or stop."""
+        events, self.timeline = self.timeline or [], [] if enable else None
+        swapper = getattr(self, "swapper", None)
+        if swapper is not None:
+            swapper.timeline = self.timeline
+        return events
 
     def capture_drafts(self, enable: bool) -> None:
         """Start (fresh) or stop recording every propose() into `self.captures`."""
