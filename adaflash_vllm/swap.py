@@ -5,11 +5,11 @@ vLLM's own reload paths break DFlash on CPU: linear weights are prepacked (the
 copies built at load time. A swap therefore writes every drafter-owned tensor in
 place, the fused K/V weight and stacked k-norms included (stable addresses, so CUDA
 graphs that captured them stay valid), and gives each prepacked CPU linear new
-packed weights. It runs in two parts: `stage_drafter_state` (in the fetch thread,
-off the step: concatenations, dtype conversion and the CPU re-pack) and
-`write_staged` (between steps: handle assignments and in-place copies only). The
-embedding and lm_head are shared with the target and are never written: a state
-that names them is rejected.
+packed weights. It runs in two parts: `staging_steps` (checks, concatenations,
+dtype conversion and the CPU re-pack; in the fetch thread or in slices between
+steps, see `DrafterSwapper`) and `write_staged` (between steps: handle
+assignments and in-place copies only). The embedding and lm_head are shared with
+the target and are never written: a state that names them is rejected.
 
 Checkpoint names (z-lab) -> vLLM modules, layer i:
     self_attn.{q,k,v}_proj -> self_attn.qkv_proj (rows q | k | v)
@@ -288,7 +288,7 @@ STAGE_BUDGET_S = 0.002
 @dataclass
 class _Fetch:
     """One version being received (background thread), then checked and staged
-    in slices between steps."""
+    (see `DrafterSwapper` for where)."""
 
     version: int
     thread: threading.Thread | None = None
