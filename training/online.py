@@ -452,7 +452,7 @@ class OnlineTrainer:
                     int(batch.anchor_valid.sum()),
                 )
         return {
-            "loss": float(out.loss_sum),
+            "loss": float(out.loss_sum.detach()),
             "ce": float(out.ce_sum),
             "rkl": float(out.rkl_sum),
             "w": float(out.weight_sum),
