@@ -1,11 +1,17 @@
 """What does a spec-decode step cost when it drafts nothing? Plain vLLM vs AdaFlash
 with a gate that never drafts (every step only writes the drafter's context K/V and
-verifies 0 drafts), offline on the demo models, in one process, alternating.
+verifies 0 drafts), offline on the demo models, engines in one process, in paired
+rounds (`adaflash_vllm.bench.paired`: the same batch to each, alternating order).
 
-Run (about 3 minutes on 2 cores):
-    taskset -c 0 python examples/compare_no_draft.py --concurrency 32 --rounds 2
+Run (about 6 minutes on 2 cores):
+    taskset -c 0 python examples/compare_no_draft.py --concurrency 32 --rounds 20
 
-Prints tok/s per engine and round, and the no-draft / plain ratio of the medians.
+`--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
+K = 7; `dflash:K` for another K) and `adaflash` (AdaFlash `cost_aware` as served
+by the demo, gate on).
+Per round it prints every engine's tok/s and CPU ms per output token (of the
+engine's own processes); then, for each configuration, its ratio to plain (means
+of the per-round ratios with 95% intervals) and one JSON line.
 """
 
 from __future__ import annotations
@@ -13,81 +19,109 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent / "demo"
 
 
-def _engine(no_draft: bool, concurrency: int):
+def _spec(config: str) -> dict | None:
+    if config == "plain":
+        return None
+    name, _, k = config.partition(":")
+    spec = {
+        "method": "dflash",
+        "model": str(DEMO / "drafter"),
+        "num_speculative_tokens": int(k or 7),
+    }
+    if config == "no_draft":
+        spec["adaflash"] = {"length": {"mode": "fixed"}}
+    elif config == "adaflash":
+        spec["adaflash"] = {"length": {"mode": "cost_aware"}}
+    return spec
+
+
+def _engine(config: str, concurrency: int):
     from vllm import LLM
 
-    kwargs = {}
-    if no_draft:
-        kwargs = {
-            "speculative_config": {
-                "method": "dflash",
-                "model": str(DEMO / "drafter"),
-                "num_speculative_tokens": 7,
-                "adaflash": {"length": {"mode": "fixed"}},
-            },
-            "worker_extension_cls": "adaflash_vllm.worker.AdaFlashWorkerExtension",
-        }
     llm = LLM(
         str(DEMO / "target"),
         max_num_seqs=concurrency,
         enforce_eager=True,
         max_model_len=1024,
         dtype="float32",
-        **kwargs,
+        speculative_config=_spec(config),
     )
-    if no_draft:
+    if config == "no_draft":
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     return llm
-
-
-def _tok_s(llm, prompts: list[str]) -> float:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=64, help="per round")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument(
+        "--configs",
+        default="no_draft",
+        help="comma list of no_draft, dflash[:K], adaflash (each compared to plain)",
+    )
     args = p.parse_args()
+    configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
+    for c in configs:
+        name, _, k = c.partition(":")
+        if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
+            k == "" or (name == "dflash" and k.isdigit() and int(k) >= 1)
+        ):
+            p.error(f"unknown config {c!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine (two here)
-    raw = [
-        json.loads(line)["prompt"]
-        for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
-    ][: args.num_prompts]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
+    from vllm import SamplingParams
+
+    from adaflash_vllm.bench.paired import (
+        alternating_rounds,
+        paired_ratios,
+        start_engine,
+    )
+
     engines = {
-        "plain": _engine(False, args.concurrency),
-        "no_draft": _engine(True, args.concurrency),
+        c: start_engine(lambda c=c: _engine(c, args.concurrency)) for c in configs
     }
-    tok = engines["plain"].get_tokenizer()
+    tok = engines["plain"][0].get_tokenizer()
     prompts = [
         tok.apply_chat_template(
-            [{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": json.loads(line)["prompt"]}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
-        for r in raw
+        for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
     ]
-    for llm in engines.values():  # warm-up
-        _tok_s(llm, prompts[:8])
-    results: dict[str, list[float]] = {name: [] for name in engines}
-    for i in range(args.rounds):
-        for name, llm in engines.items():
-            results[name].append(_tok_s(llm, prompts))
-            print(f"round {i + 1} {name:9s} {results[name][-1]:8.1f} tok/s", flush=True)
-    med = {name: statistics.median(v) for name, v in results.items()}
-    print(f"no_draft / plain (medians): {med['no_draft'] / med['plain']:.3f}")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm, _ in engines.values():  # warm-up
+        llm.generate(prompts[:8], params, use_tqdm=False)
+
+    def show(i: int, last: dict) -> None:
+        cells = "  ".join(
+            f"{n} {r.tok_s:7.1f} tok/s {r.cpu_ms_per_token:6.3f} cpu-ms/tok"
+            for n, r in last.items()
+        )
+        print(f"round {i + 1:3d}  {cells}", flush=True)
+
+    rows = alternating_rounds(
+        engines, prompts, params, args.rounds, args.num_prompts, on_round=show
+    )
+    summary = {"concurrency": args.concurrency, "vs_plain": {}}
+    for c in configs[1:]:
+        r = paired_ratios(rows, c, "plain")
+        summary["vs_plain"][c] = r
+        print(
+            f"{c} / plain: tok/s {r['tok_s_ratio_mean']:.3f} +- "
+            f"{r['tok_s_ratio_ci95']:.3f} (95%, median {r['tok_s_ratio_median']:.3f}); "
+            f"CPU per token {r['cpu_per_token_ratio_mean']:.3f} +- "
+            f"{r['cpu_per_token_ratio_ci95']:.3f}"
+        )
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

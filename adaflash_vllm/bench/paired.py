@@ -1,0 +1,104 @@
+"""Paired rounds: two (or more) offline engines in one process, served the same
+batch in alternating order, so that a slow spell of a shared machine hits all of
+them alike. Each round records tok/s and the engine's own CPU milliseconds per
+output token (its engine-core and worker processes), which is far less noisy than
+wall time on a VM whose other tenants steal cycles.
+
+Used by `examples/compare_logging.py` and `examples/compare_no_draft.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Round:
+    tok_s: float
+    cpu_ms_per_token: float
+    tokens: int
+
+
+def child_pids() -> set[int]:
+    """Processes this one started (recursively): an engine's core and workers."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def start_engine(build: Callable[[], object]) -> tuple[object, set[int]]:
+    """Build an engine and return it with the processes it started."""
+    before = child_pids()
+    engine = build()
+    return engine, child_pids() - before
+
+
+def cpu_seconds(pids: set[int]) -> float:
+    """CPU seconds (user + system, all threads) of processes `pids`."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += sum(psutil.Process(pid).cpu_times()[:2])
+    return total
+
+
+def serve_round(llm, pids: set[int], prompts: list[str], params) -> Round:
+    cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pids) - cpu0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return Round(tokens / wall, 1e3 * cpu / tokens, tokens)
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and half-width of a 95% interval (normal approximation)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def alternating_rounds(
+    engines: dict[str, tuple[object, set[int]]],
+    prompts: list[str],
+    params,
+    rounds: int,
+    per_round: int,
+    on_round: Callable[[int, dict[str, Round]], None] | None = None,
+) -> dict[str, list[Round]]:
+    """Serve `rounds` batches of `per_round` prompts (cycling through `prompts`)
+    to every engine; the order of the engines reverses every round."""
+    rows: dict[str, list[Round]] = {name: [] for name in engines}
+    for i in range(rounds):
+        batch = [prompts[(i * per_round + j) % len(prompts)] for j in range(per_round)]
+        order = list(engines) if i % 2 == 0 else list(reversed(engines))
+        for name in order:
+            llm, pids = engines[name]
+            rows[name].append(serve_round(llm, pids, batch, params))
+        if on_round is not None:
+            on_round(i, {name: r[-1] for name, r in rows.items()})
+    return rows
+
+
+def paired_ratios(rows: dict[str, list[Round]], num: str, den: str) -> dict[str, float]:
+    """Per-round ratios num / den, as means with 95% half-widths and medians."""
+    pairs = list(zip(rows[den], rows[num], strict=True))
+    tok = [n.tok_s / d.tok_s for d, n in pairs]
+    cpu = [n.cpu_ms_per_token / d.cpu_ms_per_token for d, n in pairs]
+    tok_m, tok_h = mean_ci(tok)
+    cpu_m, cpu_h = mean_ci(cpu)
+    return {
+        "rounds": len(pairs),
+        "tok_s_ratio_mean": tok_m,
+        "tok_s_ratio_ci95": tok_h,
+        "tok_s_ratio_median": statistics.median(tok),
+        "cpu_per_token_ratio_mean": cpu_m,
+        "cpu_per_token_ratio_ci95": cpu_h,
+    }
