@@ -80,6 +80,7 @@ class AdaFlashWorkerExtension:
         cost = getattr(drafter, "cost_model", None)
         policy = getattr(drafter, "budget_policy", None)
         gate = getattr(drafter, "draft_gate", None)
+        block = getattr(drafter, "block_length", None)
         return {
             "policy": type(policy).__name__,
             "cost_model": cost.to_dict() if cost is not None else None,
@@ -94,8 +95,18 @@ class AdaFlashWorkerExtension:
             ),
             "survival": type(getattr(policy, "survival", None)).__name__,
             "draft_gate": gate.to_dict() if gate is not None else None,
+            "block_length": block.to_dict() if block is not None else None,
             "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }
+
+    def adaflash_debug_block_lengths(self) -> None:
+        """Debugging and tests: run the drafter on blocks of 1, 2, ..., K draft
+        slots on successive drafting steps, whatever the timings (budgets stay
+        within each block)."""
+        from adaflash_vllm.proposers.block_length import ScriptedBlockLength
+
+        drafter = self.model_runner.drafter
+        drafter.block_length = ScriptedBlockLength(drafter.num_speculative_tokens)
 
     def adaflash_debug_draft_every(self, draft_every: int) -> None:
         """Debugging and tests: run the drafter on every `draft_every`-th step only

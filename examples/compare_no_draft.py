@@ -7,8 +7,9 @@ Run (about 6 minutes on 2 cores):
     taskset -c 0 python examples/compare_no_draft.py --concurrency 32 --rounds 20
 
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
-K = 7; `dflash:K` for another K) and `adaflash` (AdaFlash `cost_aware` as served
-by the demo, gate on).
+K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
+by the demo, gate on) and `adaflash:full_block` (the same with every drafting
+step on the full block, `adaptive_block: false`).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
 of the per-round ratios with 95% intervals) and one JSON line.
@@ -31,12 +32,15 @@ def _spec(config: str) -> dict | None:
     spec = {
         "method": "dflash",
         "model": str(DEMO / "drafter"),
-        "num_speculative_tokens": int(k or 7),
+        "num_speculative_tokens": int(k) if name == "dflash" and k else 7,
     }
     if config == "no_draft":
         spec["adaflash"] = {"length": {"mode": "fixed"}}
-    elif config == "adaflash":
-        spec["adaflash"] = {"length": {"mode": "cost_aware"}}
+    elif name == "adaflash":
+        length = {"mode": "cost_aware"}
+        if k == "full_block":
+            length["adaptive_block"] = False
+        spec["adaflash"] = {"length": length}
     return spec
 
 
@@ -65,14 +69,17 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], adaflash (each compared to plain)",
+        help="comma list of no_draft, dflash[:K], adaflash[:full_block] (each "
+        "compared to plain)",
     )
     args = p.parse_args()
     configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
     for c in configs:
         name, _, k = c.partition(":")
         if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
-            k == "" or (name == "dflash" and k.isdigit() and int(k) >= 1)
+            k == ""
+            or (name == "dflash" and k.isdigit() and int(k) >= 1)
+            or (name == "adaflash" and k == "full_block")
         ):
             p.error(f"unknown config {c!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -121,6 +128,18 @@ def main() -> None:
             f"CPU per token {r['cpu_per_token_ratio_mean']:.3f} +- "
             f"{r['cpu_per_token_ratio_ci95']:.3f}"
         )
+    for name, (llm, _) in engines.items():  # what the gate and blocks settled on
+        if not name.startswith("adaflash"):
+            continue
+        state = llm.collective_rpc("adaflash_budget_state")[0]
+        gate, block = state["draft_gate"] or {}, state["block_length"] or {}
+        summary.setdefault("adaflash_state", {})[name] = {
+            "drafted_steps": gate.get("drafted_steps"),
+            "skipped_steps": gate.get("skipped_steps"),
+            "block_length": block.get("length"),
+            "block_probes": block.get("probes"),
+        }
+        print(f"{name}: {summary['adaflash_state'][name]}")
     print(json.dumps(summary))
 
 

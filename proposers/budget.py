@@ -126,6 +126,11 @@ class HeadSurvival:
         self.head = head
         self.needs_confidence = bool(getattr(head, "needs_confidence", False))
 
+    def fits(self, num_drafts: int) -> bool:
+        """A survival head reads exactly the K slots it was trained for; a ratio
+        head's pooled inputs take any block."""
+        return getattr(self.head, "num_drafts", None) in (None, num_drafts)
+
     @torch.no_grad()
     def __call__(
         self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
@@ -147,6 +152,9 @@ class ConfidenceSurvival:
     (confidence features of the drafts' logits; feature 0 is log p_top1)."""
 
     needs_confidence = True
+
+    def fits(self, num_drafts: int) -> bool:
+        return True
 
     @torch.no_grad()
     def __call__(
@@ -233,8 +241,12 @@ class CostAwareBudget:
         self.needs_confidence = bool(getattr(survival, "needs_confidence", False))
         self.fallback = fallback
         self.last_choice: dict | None = None
+        self.last_survival: torch.Tensor | None = None  # [B, K] of the last choice
         self.calibration = AcceptanceCalibration()
         self.last_predicted: float | None = None  # uncalibrated E[accepted], last step
+        # Blocks shorter than a survival head's K (block_length.py) read the
+        # drafts' own confidence, which the head's inputs already include.
+        self.short_survival = ConfidenceSurvival()
 
     def choose(
         self, *, req_ids, num_drafts, hidden_states, confidence=None
@@ -248,7 +260,11 @@ class CostAwareBudget:
                 hidden_states=hidden_states,
                 confidence=confidence,
             )
-        s = self.survival(hidden_states, confidence).float().cpu()  # [B, K]
+        survival = self.survival
+        if not getattr(survival, "fits", lambda k: True)(num_drafts):
+            survival = self.short_survival
+        s = survival(hidden_states, confidence).float().cpu()  # [B, K]
+        self.last_survival = s
         k_i = self.allocate(s, cost)
         # allocate's expected tokens are B + the chosen slots' survivals.
         self.last_predicted = self.last_choice["expected_tokens"] - len(k_i)
@@ -265,29 +281,42 @@ class CostAwareBudget:
 
     def allocate(self, s: torch.Tensor, cost: Callable[[float], float]) -> list[int]:
         """k_i for survivals s [B, K] under step-cost curve `cost` (ms vs tokens)."""
-        b, k = s.shape
-        k_min = min(self.k_min, k)
-        base_tokens = b + float(s[:, :k_min].sum())
-        base_n = b * (1 + k_min)
-        free = s[:, k_min:].reshape(-1)
-        order = torch.argsort(free, descending=True)
-        gains = torch.cat([torch.zeros(1), free[order].cumsum(0)])
-        budgets = torch.arange(gains.numel(), dtype=torch.float32)
-        times = torch.tensor([cost(base_n + float(n)) for n in budgets])
-        rate = (base_tokens + gains) / times
-        best = int(torch.argmax(rate))
-        chosen = torch.zeros(b * (k - k_min), dtype=torch.long)
-        chosen[order[:best]] = 1
-        k_i = chosen.view(b, k - k_min).sum(-1) + k_min
-        self.last_choice = {
-            "budget": best,
-            "expected_tokens": float(base_tokens + gains[best]),
-            "verify_ms": float(times[best]),
-            "plain_verify_ms": float(cost(b)),  # the same batch verifying no drafts
-            "tokens_per_ms": float(rate[best]),
-            "full_k_tokens_per_ms": float(rate[-1]),
-        }
-        return k_i.tolist()
+        k_i, self.last_choice = allocate_budgets(s, cost, self.k_min)
+        return k_i
+
+
+def allocate_budgets(
+    s: torch.Tensor,
+    cost: Callable[[float], float],
+    k_min: int,
+    extra_ms: float = 0.0,
+) -> tuple[list[int], dict]:
+    """The cost-aware allocation (module docstring) for survivals s [B, K] under
+    step-cost curve `cost` (ms vs verified tokens), plus `extra_ms` of fixed time
+    per step (the drafter's, when comparing block lengths). Returns (k_i, choice)."""
+    b, k = s.shape
+    k_min = min(k_min, k)
+    base_tokens = b + float(s[:, :k_min].sum())
+    base_n = b * (1 + k_min)
+    free = s[:, k_min:].reshape(-1)
+    order = torch.argsort(free, descending=True)
+    gains = torch.cat([torch.zeros(1), free[order].cumsum(0)])
+    budgets = torch.arange(gains.numel(), dtype=torch.float32)
+    times = torch.tensor([cost(base_n + float(n)) for n in budgets])
+    rate = (base_tokens + gains) / (times + extra_ms)
+    best = int(torch.argmax(rate))
+    chosen = torch.zeros(b * (k - k_min), dtype=torch.long)
+    chosen[order[:best]] = 1
+    k_i = chosen.view(b, k - k_min).sum(-1) + k_min
+    choice = {
+        "budget": best,
+        "expected_tokens": float(base_tokens + gains[best]),
+        "verify_ms": float(times[best]),
+        "plain_verify_ms": float(cost(b)),  # the same batch verifying no drafts
+        "tokens_per_ms": float(rate[best]),
+        "full_k_tokens_per_ms": float(rate[-1]),
+    }
+    return k_i.tolist(), choice
 
 
 POLICIES = ("fixed", "debug_ragged", "paper", "cost_aware")

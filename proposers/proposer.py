@@ -22,6 +22,7 @@ import time
 from typing import NamedTuple
 
 import torch
+from adaflash_vllm.proposers.block_length import BlockLength
 from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
 from adaflash_vllm.proposers.cost_model import (
     StepCostModel,
@@ -113,6 +114,7 @@ class AdaFlashProposer(DFlashProposer):
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
         self.draft_gate: DraftGate | None = None  # built in load_model
+        self.block_length: BlockLength | None = None  # built in load_model
         self._last_propose: _Propose | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step
         self._profiling_target_only = False
@@ -157,6 +159,11 @@ class AdaFlashProposer(DFlashProposer):
             self.draft_gate = self._make_draft_gate(
                 get_tensor_model_parallel_world_size()
             )
+            length = self.adaflash.length
+            if length.mode == "cost_aware" and length.adaptive_block:
+                self.block_length = BlockLength(
+                    full=self.num_speculative_tokens, k_min=length.k_min
+                )
         if self.adaflash is None or not self.adaflash.online.enabled:
             return
 
@@ -276,7 +283,17 @@ class AdaFlashProposer(DFlashProposer):
             if not draft:
                 return self._skip_drafting(req_ids, batch, started, **kwargs)
         started = self._write_deferred_context(gate, started)
-        draft_token_ids = super().propose(*args, **kwargs)  # [B, K]
+        full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
+        block = self.block_length
+        length = (
+            block.next_length() if block is not None and block.full == full else full
+        )
+        if length != full:
+            kwargs["num_speculative_tokens"] = length  # a shorter block: L <= K masks
+        try:
+            draft_token_ids = super().propose(*args, **kwargs)  # [B, L]
+        finally:
+            self.num_speculative_tokens = full
         num_drafts = draft_token_ids.shape[1]
         hidden, confidence = self._mask_hidden, self._mask_confidence
         self._mask_hidden = self._mask_confidence = None
@@ -305,7 +322,20 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
+            if block is not None and budgets is not None:
+                block.observe(
+                    length=num_drafts,
+                    num_reqs=num_reqs,
+                    draft_ms=1e3 * (now - started),
+                    survival=getattr(self.budget_policy, "last_survival", None),
+                    cost=self.cost_model,
+                    context_ms=gate.context_ms if gate is not None else 0.0,
+                )
             self._last_propose = _Propose(started, now, batch, True)
+        if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
+            draft_token_ids = torch.nn.functional.pad(
+                draft_token_ids, (0, full - num_drafts)
+            )
         return draft_token_ids
 
     def _skip_drafting(
@@ -416,9 +446,12 @@ class AdaFlashProposer(DFlashProposer):
         accepted: int,
     ) -> None:
         """Credit the previous step's round (its propose, then the verification of
-        what it proposed) to the gate: tokens emitted and ms, start to start. Not
-        when this step shares no request with it: the engine may have sat idle."""
-        if last is not None and not last.batch.isdisjoint(batch):
+        what it proposed) to the gate: tokens emitted and ms, start to start. Only
+        when the verification step ran no new request (some may have finished):
+        a new request brings its prompt, whose forward would be charged to
+        whichever mode the round happened to be in (under load a prompt chunk
+        doubles a step), and a step with nothing in common may follow idle time."""
+        if last is not None and batch and batch <= last.batch:
             gate.record_round(
                 drafted=last.drafted,
                 tokens=len(last.batch) + accepted,

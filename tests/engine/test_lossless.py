@@ -12,20 +12,26 @@ pytestmark = pytest.mark.engine
 K = 3
 
 
-@pytest.fixture(scope="module", params=["fixed", "debug_ragged", "skips"])
+@pytest.fixture(
+    scope="module", params=["fixed", "debug_ragged", "skips", "short_blocks"]
+)
 def adaflash(request, tiny):
     """One AdaFlash engine per length mode; `fixed` is given as a config FILE path,
     `debug_ragged` as a dict, so both ways users pass the config are exercised.
     `skips`: debug_ragged budgets with the drafter run on every other step only
-    (the steps between verify 0 drafts, as skip_drafting does)."""
+    (the steps between verify 0 drafts, as skip_drafting does). `short_blocks`:
+    debug_ragged budgets with the drafter run on blocks of 1, 2, ..., K slots in
+    turn (as adaptive_block does under load)."""
     mode = request.param
-    length = "debug_ragged" if mode == "skips" else mode
+    length = "debug_ragged" if mode in ("skips", "short_blocks") else mode
     spec = tiny.spec(k=K, adaflash={"length": {"mode": length}})
     if mode == "fixed":
         spec = str(tiny.write_config("adaflash-fixed.json", spec))
     llm = make_llm(tiny.target, spec)
     if mode == "skips":
         llm.collective_rpc("adaflash_debug_draft_every", args=(2,))
+    if mode == "short_blocks":
+        llm.collective_rpc("adaflash_debug_block_lengths")
     result = {
         "mode": mode,
         "llm": llm,
@@ -59,6 +65,11 @@ def test_not_vacuous(adaflash):
     if adaflash["mode"] == "skips":  # and half the steps ran without the drafter
         gate = adaflash["llm"].collective_rpc("adaflash_budget_state")[0]
         assert gate["draft_gate"]["skipped_steps"] > 10, gate
+    if adaflash["mode"] == "short_blocks":  # and every block length ran
+        used = adaflash["llm"].collective_rpc("adaflash_budget_state")[0][
+            "block_length"
+        ]["used"]
+        assert all(used.get(str(n), 0) > 10 for n in range(1, K + 1)), used
 
 
 def test_greedy_token_identical(adaflash, baseline):
