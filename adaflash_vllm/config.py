@@ -57,9 +57,10 @@ class LengthConfig(_Struct):
     skip_drafting: bool = True
     # cost_aware: skip the drafter's forward on steps where even the best budgets
     # would emit fewer tokens per second than plain decoding (probing again later).
-    adaptive_block: bool = True
+    adaptive_block: bool = False
     # cost_aware: run the drafter on a block of only the L <= K slots worth
-    # verifying (chosen from a full-K probe now and then; block_length.py).
+    # verifying (chosen from a full-K probe now and then; block_length.py). Off by
+    # default: on the CPU demo it measured no gain (docs/BENCHMARKS.md).
 
 
 class AdmissionConfig(_Struct):

@@ -8,8 +8,8 @@ Run (about 6 minutes on 2 cores):
 
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
-by the demo, gate on) and `adaflash:full_block` (the same with every drafting
-step on the full block, `adaptive_block: false`).
+by the demo, gate on) and `adaflash:adaptive_block` (the same with
+`length.adaptive_block: true`).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
 of the per-round ratios with 95% intervals) and one JSON line.
@@ -38,8 +38,8 @@ def _spec(config: str) -> dict | None:
         spec["adaflash"] = {"length": {"mode": "fixed"}}
     elif name == "adaflash":
         length = {"mode": "cost_aware"}
-        if k == "full_block":
-            length["adaptive_block"] = False
+        if k == "adaptive_block":
+            length["adaptive_block"] = True
         spec["adaflash"] = {"length": length}
     return spec
 
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], adaflash[:full_block] (each "
+        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block] (each "
         "compared to plain)",
     )
     args = p.parse_args()
@@ -79,7 +79,7 @@ def main() -> None:
         if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
             k == ""
             or (name == "dflash" and k.isdigit() and int(k) >= 1)
-            or (name == "adaflash" and k == "full_block")
+            or (name == "adaflash" and k == "adaptive_block")
         ):
             p.error(f"unknown config {c!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,7 +16,14 @@ def policy_llm(request, tiny, tiny_head_drafter):
     spec = tiny.spec(
         k=K,
         model=str(tiny_head_drafter),
-        adaflash={"length": {"mode": request.param, "k_min": 0}},
+        # cost_aware also chooses the drafter's block length (adaptive_block).
+        adaflash={
+            "length": {
+                "mode": request.param,
+                "k_min": 0,
+                **({"adaptive_block": True} if request.param == "cost_aware" else {}),
+            }
+        },
     )
     llm = make_llm(tiny.target, spec)
     result = {
@@ -67,6 +74,12 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         assert m["vllm:adaflash_draft_gate_drafted_steps"] == gate["drafted_steps"]
         assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
         assert m["vllm:adaflash_draft_gate_drafting"] == int(gate["drafting"])
+        # Full-K probes chose a block length from measured drafting times.
+        block = budget["block_length"]
+        assert block["probes"] > 0 and 1 <= block["length"] <= K, block
+        assert str(K) in {str(n) for n in block["ms_per_request"]}, block
+    else:
+        assert budget["block_length"] is None
 
 
 def test_drafts_come_with_the_step_output(policy_llm):
