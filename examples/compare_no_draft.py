@@ -8,8 +8,8 @@ Run (about 6 minutes on 2 cores):
 
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
-by the demo, gate on) and `adaflash:adaptive_block` (the same with
-`length.adaptive_block: true`).
+by the demo, gate on), `adaflash:adaptive_block` (the same with
+`length.adaptive_block: true`) and `adaflash:noskip` (`skip_drafting: false`).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
 of the per-round ratios with 95% intervals) and one JSON line.
@@ -25,6 +25,13 @@ from pathlib import Path
 DEMO = Path(__file__).resolve().parent / "demo"
 
 
+# adaflash:VARIANT: the demo's cost_aware configuration with one length key changed
+_ADAFLASH_VARIANTS = {
+    "adaptive_block": {"adaptive_block": True},
+    "noskip": {"skip_drafting": False},
+}
+
+
 def _spec(config: str) -> dict | None:
     if config == "plain":
         return None
@@ -37,9 +44,7 @@ def _spec(config: str) -> dict | None:
     if config == "no_draft":
         spec["adaflash"] = {"length": {"mode": "fixed"}}
     elif name == "adaflash":
-        length = {"mode": "cost_aware"}
-        if k == "adaptive_block":
-            length["adaptive_block"] = True
+        length = {"mode": "cost_aware", **_ADAFLASH_VARIANTS.get(k, {})}
         spec["adaflash"] = {"length": length}
     return spec
 
@@ -69,8 +74,8 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block] (each "
-        "compared to plain)",
+        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip] "
+        "(each compared to plain)",
     )
     args = p.parse_args()
     configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
@@ -79,7 +84,7 @@ def main() -> None:
         if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
             k == ""
             or (name == "dflash" and k.isdigit() and int(k) >= 1)
-            or (name == "adaflash" and k == "adaptive_block")
+            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
         ):
             p.error(f"unknown config {c!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -24,7 +24,11 @@ exploration at once instead of waiting out the backoff. Exploring skips
 costs a few slow rounds, so it is only done when the cost model's own estimate
 (expected tokens per ms from the budgets and the step-cost curve) does not already
 favour drafting by `sure_margin`; a batch that shrank by a quarter since the last
-switch explores drafting at once.
+switch explores drafting at once. A switch needs the other mode to win by more
+than `switch_z` standard errors of the two rates (from the spread of their
+per-round rates): at low load drafting's rounds emit anywhere from 1 to K + 1
+tokens, and without this its EMA dipping below skipping's steady rate by chance
+switched the gate off for a third of the steps at one request.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class DraftGate:
     decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
     shift_drop: float = 0.25  # drafting's rate fell this much since: explore now
     ema: float = 0.3
+    switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
     drafting: bool = True  # the mode being followed
     interval: int = 8
     step: int = 0
@@ -55,12 +60,15 @@ class DraftGate:
     # tokens per ms of drafting rounds and of skipped ones (EMAs of both sums)
     draft_rate: RatioEMA = field(init=False)
     skip_rate: RatioEMA = field(init=False)
+    # EMAs of per-round rates and their squares, per mode (True: drafting): noise
+    rate_moments: dict = field(init=False)
     drafted_steps: int = 0
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
+        self.rate_moments = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}
 
     def should_draft(self, num_reqs: int) -> bool:
         """Called once per step before proposing."""
@@ -89,6 +97,20 @@ class DraftGate:
         verification emitted and the ms from its propose to this one."""
         if ms > 0:
             (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
+            m = self.rate_moments[drafted]
+            r, a = tokens / ms, self.ema if m[0] else 1.0
+            m[0] += 1
+            m[1] += a * (r - m[1])
+            m[2] += a * (r * r - m[2])
+
+    def rate_noise(self, drafted: bool) -> float:
+        """Standard error of a mode's rate EMA: the spread of its per-round rates
+        (EMAs of r and r^2) times sqrt(ema / (2 - ema)), an EMA's share of it."""
+        n, mean, sq = self.rate_moments[drafted]
+        if n < 2:
+            return 0.0
+        var = max(sq - mean * mean, 0.0)
+        return (var * self.ema / (2.0 - self.ema)) ** 0.5
 
     def record_draft(
         self,
@@ -137,7 +159,14 @@ class DraftGate:
         if d is None or s is None:
             best, grow = self.drafting, 2
         else:
-            best = d >= s
+            # Switch only when the other mode wins by more than the rates' noise:
+            # at low load a drafting round emits 1 to K + 1 tokens, and an EMA that
+            # dips below skipping's steady rate by chance would switch often.
+            noise = (
+                self.switch_z
+                * (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
+            )
+            best = not s > d + noise if self.drafting else d > s + noise
             grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
         if best == self.drafting:
             self.interval = min(grow * self.interval, self.max_interval)
@@ -173,6 +202,8 @@ class DraftGate:
             "skipped_steps": self.skipped_steps,
             "draft_tokens_per_ms": self.draft_rate.ratio(),
             "skip_tokens_per_ms": self.skip_rate.ratio(),
+            "draft_rate_noise": self.rate_noise(True),
+            "skip_rate_noise": self.rate_noise(False),
             "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
         }

@@ -68,22 +68,34 @@ class _DeferredContext:
         self.positions: list[torch.Tensor] = []  # [T_i]
         self.slots: list[torch.Tensor] = []  # [T_i]
         self.tokens = 0
+        self.charged_tokens = self.charged_steps = 0
 
     def add(
-        self, states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+        self,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        charged: bool = True,
     ) -> None:
+        """Queue one skipped step's context. `charged`: its cost belongs to
+        skipping (false for the tokens a drafting round verified, which the first
+        skipped step after it consumes)."""
         # The features are a fresh torch.cat of the aux layers; a view (of the
         # model's output buffer) must be copied like the runner's positions/slots.
         self.states.append(states if states._base is None else states.clone())
         self.positions.append(positions.clone())
         self.slots.append(slots.clone())
         self.tokens += states.shape[0]
+        if charged:
+            self.charged_tokens += states.shape[0]
+            self.charged_steps += 1
 
-    def write(self, model) -> int:
-        """Write every queued step's K/V (one pass); returns the steps written."""
+    def write(self, model) -> _Written:
+        """Write every queued step's K/V (one pass)."""
         steps = len(self.states)
+        written = _Written(steps, self.tokens, self.charged_tokens, self.charged_steps)
         if steps == 0:
-            return 0
+            return written
         cat = (lambda xs: xs[0]) if steps == 1 else torch.cat
         model.precompute_and_store_context_kv(
             model.combine_hidden_states(cat(self.states)),
@@ -91,17 +103,28 @@ class _DeferredContext:
             cat(self.slots),
         )
         self._clear()
-        return steps
+        return written
+
+
+class _Written(NamedTuple):
+    """What one write of the deferred context covered."""
+
+    steps: int
+    tokens: int
+    charged_tokens: int  # of skipped steps that followed a skipped step
+    charged_steps: int
 
 
 class _Propose(NamedTuple):
     """The last propose: when it started and ended, its requests, whether it
-    drafted. The step after it times its cost and credits its round from this."""
+    drafted, and whether the propose before it did (None: there was none). The
+    step after it times its cost and credits its round from this."""
 
     started: float
     ended: float
     batch: frozenset[str]
     drafted: bool
+    after_drafted: bool | None = None
 
 
 class AdaFlashProposer(DFlashProposer):
@@ -281,7 +304,7 @@ class AdaFlashProposer(DFlashProposer):
             if following is not None and gate.drafting != following:
                 _log_switch(gate, num_reqs)
             if not draft:
-                return self._skip_drafting(req_ids, batch, started, **kwargs)
+                return self._skip_drafting(req_ids, batch, started, last, **kwargs)
         started = self._write_deferred_context(gate, started)
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
@@ -331,7 +354,9 @@ class AdaFlashProposer(DFlashProposer):
                     cost=self.cost_model,
                     context_ms=gate.context_ms if gate is not None else 0.0,
                 )
-            self._last_propose = _Propose(started, now, batch, True)
+            self._last_propose = _Propose(
+                started, now, batch, True, None if last is None else last.drafted
+            )
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
                 draft_token_ids, (0, full - num_drafts)
@@ -343,6 +368,7 @@ class AdaFlashProposer(DFlashProposer):
         req_ids: list[str],
         batch: frozenset[str],
         started: float,
+        last: _Propose | None,
         *,
         num_speculative_tokens: int,
         target_token_ids: torch.Tensor,  # [T] tokens the target just processed
@@ -368,13 +394,17 @@ class AdaFlashProposer(DFlashProposer):
             target_hidden_states,  # [T, ...]: one row per context token
             target_positions[:num_context],
             common_attn_metadata.slot_mapping[:num_context],
+            # Tokens a drafting round verified are that round's cost.
+            charged=last is None or not last.drafted,
         )
         if self._deferred.tokens >= MAX_DEFERRED_TOKENS:
             self._deferred.write(self.model)  # this skipped step pays for it
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
-        self._last_propose = _Propose(started, now, batch, False)
+        self._last_propose = _Propose(
+            started, now, batch, False, None if last is None else last.drafted
+        )
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
         )
@@ -386,10 +416,13 @@ class AdaFlashProposer(DFlashProposer):
         if not self._deferred.tokens:
             return started
         before = self._synced_clock()
-        steps = self._deferred.write(self.model)
+        written = self._deferred.write(self.model)
         spent = self._synced_clock() - before
-        if gate is not None:
-            gate.charge_skipped(1e3 * spent, steps)
+        if gate is not None and written.charged_tokens:
+            # Per token; the tokens of a drafting round's verification (queued by
+            # the first skipped step after it) are left out, as that round is.
+            share = written.charged_tokens / max(written.tokens, 1)
+            gate.charge_skipped(1e3 * spent * share, written.charged_steps)
         return started + spent
 
     def _synced_clock(self) -> float:
@@ -450,8 +483,16 @@ class AdaFlashProposer(DFlashProposer):
         when the verification step ran no new request (some may have finished):
         a new request brings its prompt, whose forward would be charged to
         whichever mode the round happened to be in (under load a prompt chunk
-        doubles a step), and a step with nothing in common may follow idle time."""
-        if last is not None and batch and batch <= last.batch:
+        doubles a step), and a step with nothing in common may follow idle time.
+        Nor the first round after a switch of mode: its propose writes the context
+        K/V of the tokens the other mode's round verified (a drafting round's
+        1 + k per request), so it measures neither mode."""
+        if (
+            last is not None
+            and batch
+            and batch <= last.batch
+            and last.after_drafted in (None, last.drafted)
+        ):
             gate.record_round(
                 drafted=last.drafted,
                 tokens=len(last.batch) + accepted,

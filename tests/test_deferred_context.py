@@ -26,12 +26,12 @@ def test_steps_written_once_in_order_from_copies_of_reused_buffers():
     slots += 10
     queue.add(features[:3] * 3, positions[:3], slots[:3])
     assert queue.tokens == 5
-    assert queue.write(model) == 2
+    assert queue.write(model).steps == 2
     ((states, pos, slot),) = model.writes
     assert pos.tolist() == [0, 1, 10, 11, 12]
     assert slot.tolist() == [100, 101, 110, 111, 112]
     assert states[:, 0].tolist() == [2.0, 2.0, 6.0, 6.0, 6.0]
-    assert queue.tokens == 0 and queue.write(model) == 0  # nothing twice
+    assert queue.tokens == 0 and queue.write(model).steps == 0  # nothing twice
     assert len(model.writes) == 1
 
 
@@ -42,3 +42,16 @@ def test_a_view_of_the_model_output_is_copied():
     output.fill_(5.0)  # next forward overwrites the buffer
     queue.write(model)
     assert model.writes[0][0].eq(0.0).all()
+
+
+def test_tokens_of_a_drafting_round_are_not_charged_to_skipping():
+    """The first skipped step after a drafting one queues that round's verified
+    tokens (1 + k per request): written with the rest, not charged to skipping."""
+    model, queue = _RecordingModel(), _DeferredContext()
+    queue.add(torch.ones(8, 3), torch.arange(8), torch.arange(8), charged=False)
+    queue.add(torch.ones(2, 3), torch.arange(2), torch.arange(2))
+    queue.add(torch.ones(2, 3), torch.arange(2), torch.arange(2))
+    written = queue.write(model)
+    assert (written.steps, written.tokens) == (3, 12)
+    assert (written.charged_tokens, written.charged_steps) == (4, 2)
+    assert queue.write(model).charged_tokens == 0

@@ -14,9 +14,9 @@ class _Gate:
         self.rounds.append(kw)
 
 
-def _credit(last_batch, batch, accepted=0):
+def _credit(last_batch, batch, accepted=0, drafted=True, after_drafted=None):
     gate = _Gate()
-    last = _Propose(10.0, 10.002, frozenset(last_batch), True)
+    last = _Propose(10.0, 10.002, frozenset(last_batch), drafted, after_drafted)
     AdaFlashProposer._credit_round(None, gate, last, frozenset(batch), 10.05, accepted)
     return gate.rounds
 
@@ -39,3 +39,11 @@ def test_a_new_request_prompt_is_not_credited():
 def test_disjoint_or_empty_batches_are_not_credited():
     assert _credit({"a"}, {"b"}) == []
     assert _credit({"a"}, set()) == []
+
+
+def test_the_first_round_after_a_switch_is_not_credited():
+    """Its propose wrote the context of the other mode's round."""
+    assert _credit({"a"}, {"a"}, drafted=False, after_drafted=True) == []
+    assert _credit({"a"}, {"a"}, drafted=True, after_drafted=False) == []
+    assert len(_credit({"a"}, {"a"}, drafted=False, after_drafted=False)) == 1
+    assert len(_credit({"a"}, {"a"}, drafted=True, after_drafted=True)) == 1
