@@ -28,7 +28,10 @@ switch explores drafting at once. A switch needs the other mode to win by more
 than `switch_z` standard errors of the two rates (from the spread of their
 per-round rates): at low load drafting's rounds emit anywhere from 1 to K + 1
 tokens, and without this its EMA dipping below skipping's steady rate by chance
-switched the gate off for a third of the steps at one request.
+switched the gate off for a third of the steps at one request. While skipping,
+checks of drafting back off only to `skip_interval_per_request` steps per request
+in the batch: with few requests drafting's rate follows their text, and a stretch
+of easy text missed costs several times what a check during a hard one does.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class DraftGate:
     shift_drop: float = 0.25  # drafting's rate fell this much since: explore now
     ema: float = 0.3
     switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
+    skip_interval_per_request: int = 16  # while skipping, explore at most this x B
     drafting: bool = True  # the mode being followed
     interval: int = 8
     step: int = 0
@@ -173,6 +177,12 @@ class DraftGate:
         else:
             self.drafting = best
             self.interval = min(grow // 2 * self.min_interval, self.max_interval)
+        if not self.drafting:
+            # Few requests: drafting's rate follows their text, which turns easy
+            # again within a few rounds, and missing that costs far more (3-4x
+            # plain's rate at one request) than exploring a hard stretch (-25%).
+            cap = self.skip_interval_per_request * max(self.switch_batch, 1)
+            self.interval = min(self.interval, max(self.min_interval, cap))
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
 
