@@ -22,8 +22,13 @@ Cost-aware choice (vLLM's adaptive verification does the same with its estimator
 sort all (i, j >= k_min) slot survivals descending; for a global budget b,
 
     tokens(b) = sum_i (1 + sum_{j <= k_min} s_ij) + sum of the top-b survivals
-    time(b)   = cost(B * (1 + k_min) + b)
+    time(b)   = draft_ms + cost(B * (1 + k_min) + b)
     b*        = argmax tokens(b) / time(b)
+
+where draft_ms is the round's drafting time, already paid: the round is the
+unit of throughput, so a slot is worth verifying when it adds tokens faster than
+the whole round's rate, not only verification's (leaving draft_ms out trimmed
+too much wherever drafting is a large part of a round, e.g. at one request).
 
 and since s is non-increasing in j, the winners form a prefix per request. It runs
 at every batch size (no threshold): with a flat cost curve b* = all slots (full K);
@@ -56,6 +61,7 @@ class BudgetPolicy(Protocol):
         num_drafts: int,
         hidden_states: torch.Tensor | None,  # [B, K, H] drafter outputs at the masks
         confidence: torch.Tensor | None = None,  # [B, K, 3] draft_confidence
+        draft_ms: float = 0.0,  # this round's drafting time so far (already paid)
     ) -> list[int] | None: ...
 
 
@@ -65,7 +71,7 @@ class FixedBudget:
     needs_confidence = False
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None
+        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
     ) -> list[int] | None:
         return None
 
@@ -78,7 +84,9 @@ class DebugRaggedBudget:
     def __init__(self) -> None:
         self._round: dict[str, int] = {}
 
-    def choose(self, *, req_ids, num_drafts, hidden_states, confidence=None):
+    def choose(
+        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
+    ):
         live = set(req_ids)
         self._round = {r: n for r, n in self._round.items() if r in live}
         budgets = []
@@ -186,7 +194,7 @@ class PaperBudget:
         self.last_expected: torch.Tensor | None = None  # [B] E[accepted] chosen
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None
+        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
     ) -> list[int]:
         a_hat = self.survival.ratio(hidden_states, confidence).float()
         k = (a_hat * num_drafts * self.gamma).round().clamp(self.k_min, num_drafts)
@@ -249,7 +257,7 @@ class CostAwareBudget:
         self.short_survival = ConfidenceSurvival()
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None
+        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
     ) -> list[int]:
         cost = self.cost()
         self.last_predicted = None
@@ -265,7 +273,7 @@ class CostAwareBudget:
             survival = self.short_survival
         s = survival(hidden_states, confidence).float().cpu()  # [B, K]
         self.last_survival = s
-        k_i = self.allocate(s, cost)
+        k_i = self.allocate(s, cost, draft_ms)
         # allocate's expected tokens are B + the chosen slots' survivals.
         self.last_predicted = self.last_choice["expected_tokens"] - len(k_i)
         # What the draft gate compares with plain decoding: calibrated.
@@ -279,9 +287,12 @@ class CostAwareBudget:
         if self.last_predicted is not None:
             self.calibration.observe(self.last_predicted, accepted)
 
-    def allocate(self, s: torch.Tensor, cost: Callable[[float], float]) -> list[int]:
-        """k_i for survivals s [B, K] under step-cost curve `cost` (ms vs tokens)."""
-        k_i, self.last_choice = allocate_budgets(s, cost, self.k_min)
+    def allocate(
+        self, s: torch.Tensor, cost: Callable[[float], float], draft_ms: float = 0.0
+    ) -> list[int]:
+        """k_i for survivals s [B, K] under step-cost curve `cost` (ms vs tokens),
+        in a round whose drafting took `draft_ms`."""
+        k_i, self.last_choice = allocate_budgets(s, cost, self.k_min, draft_ms)
         return k_i
 
 

@@ -1,6 +1,7 @@
 """AdaFlashProposer: vLLM's DFlash proposer with per-request draft budgets.
 
-The DFlash forward always drafts K tokens per request (one parallel pass). A budget
+The DFlash forward drafts K tokens per request in one parallel pass (L <= K
+with `length.adaptive_block`: block_length.py). A budget
 policy then picks k_i <= K per request; `take_budgets()` hands them to the runner's
 `take_draft_token_ids` (patched in `patches.py`), which trims each request's drafts
 before the scheduler sees them. The scheduler then schedules `1 + k_i` tokens per
@@ -332,6 +333,7 @@ class AdaFlashProposer(DFlashProposer):
                 num_drafts=num_drafts,
                 hidden_states=hidden,
                 confidence=confidence,
+                draft_ms=1e3 * (self._synced_clock() - started),
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))

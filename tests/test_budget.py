@@ -110,6 +110,31 @@ def test_cost_aware_maximises_tokens_per_time_exactly():
     assert rate(k) >= best_uniform - 1e-9
 
 
+def test_cost_aware_counts_the_rounds_drafting_time():
+    """The round's drafting time is paid whatever the budgets: with it in the
+    rate, marginal slots pay where verification alone would trim them, and the
+    choice maximises tokens per ms of the whole round."""
+    torch.manual_seed(0)
+    s = geometric_survival(torch.rand(8), K)
+    cost = StepCostModel([1, 8, 64], [10.0, 12.0, 40.0])
+    reqs = [str(i) for i in range(8)]
+    policy = _cost_aware(s, cost)
+    alone = sum(policy.choose(req_ids=reqs, num_drafts=K, hidden_states=None))
+    with_draft = policy.choose(
+        req_ids=reqs, num_drafts=K, hidden_states=None, draft_ms=30.0
+    )
+    assert sum(with_draft) > alone
+    k = torch.tensor(with_draft)
+
+    def rate(ks):
+        mask = torch.arange(K).unsqueeze(0) < ks.unsqueeze(-1)
+        return float(8 + (s * mask).sum()) / (30.0 + cost(float(8 + ks.sum())))
+
+    assert rate(k) >= max(rate(torch.full((8,), u)) for u in range(K + 1)) - 1e-9
+    assert policy.last_choice["tokens_per_ms"] == pytest.approx(rate(k), rel=1e-5)
+    assert policy.last_choice["verify_ms"] == pytest.approx(cost(8 + sum(with_draft)))
+
+
 def test_cost_aware_respects_k_min_and_prefixes():
     s = geometric_survival(torch.tensor([0.01, 0.5]), K)
     steep = StepCostModel([1, 16], [1.0, 100.0])
