@@ -126,6 +126,7 @@ class _Propose(NamedTuple):
     batch: frozenset[str]
     drafted: bool
     after_drafted: bool | None = None
+    budgets: dict[str, int] | None = None  # drafts each request sent to verify
 
 
 class AdaFlashProposer(DFlashProposer):
@@ -294,12 +295,11 @@ class AdaFlashProposer(DFlashProposer):
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
         batch = frozenset(req_ids)
         last, self._last_propose = self._last_propose, None
-        accepted = self._observe_step_cost(
-            last, batch, started, kwargs["target_token_ids"].shape[0]
-        )
+        num_tokens = kwargs["target_token_ids"].shape[0]  # the step that just ran
+        accepted = self._observe_step_cost(last, batch, started, num_tokens)
         gate = self.draft_gate
         if gate is not None:
-            self._credit_round(gate, last, batch, started, accepted)
+            self._credit_round(gate, last, batch, started, accepted, num_tokens)
             following = getattr(gate, "drafting", None)
             draft = gate.should_draft(num_reqs)
             if following is not None and gate.drafting != following:
@@ -357,7 +357,12 @@ class AdaFlashProposer(DFlashProposer):
                     context_ms=gate.context_ms if gate is not None else 0.0,
                 )
             self._last_propose = _Propose(
-                started, now, batch, True, None if last is None else last.drafted
+                started,
+                now,
+                batch,
+                True,
+                None if last is None else last.drafted,
+                self._budgets,
             )
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
@@ -405,7 +410,12 @@ class AdaFlashProposer(DFlashProposer):
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
         self._last_propose = _Propose(
-            started, now, batch, False, None if last is None else last.drafted
+            started,
+            now,
+            batch,
+            False,
+            None if last is None else last.drafted,
+            self._budgets,
         )
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
@@ -479,27 +489,36 @@ class AdaFlashProposer(DFlashProposer):
         batch: frozenset[str],
         started: float,
         accepted: int,
+        num_tokens: int,
     ) -> None:
         """Credit the previous step's round (its propose, then the verification of
-        what it proposed) to the gate: tokens emitted and ms, start to start. Only
-        when the verification step ran no new request (some may have finished):
-        a new request brings its prompt, whose forward would be charged to
-        whichever mode the round happened to be in (under load a prompt chunk
-        doubles a step), and a step with nothing in common may follow idle time.
-        Nor the first round after a switch of mode: its propose writes the context
-        K/V of the tokens the other mode's round verified (a drafting round's
-        1 + k per request), so it measures neither mode."""
-        if (
-            last is not None
-            and batch
-            and batch <= last.batch
-            and last.after_drafted in (None, last.drafted)
-        ):
-            gate.record_round(
-                drafted=last.drafted,
-                tokens=len(last.batch) + accepted,
-                ms=1e3 * (started - last.started),
-            )
+        what it proposed) to the gate: tokens emitted and ms, start to start.
+
+        Not when this step shares no request with it (the engine may have sat
+        idle), nor for the first round after a switch of mode (its propose wrote
+        the context K/V of the tokens the other mode's round verified, so it
+        measures neither mode). When the verification step also ran new requests'
+        prompts, their forward is taken out with the cost curve (cost of the
+        step's `num_tokens` minus that of the continuing requests' 1 + k_i), so
+        that a prompt is not charged to whichever mode the round was in (under
+        load one doubles a step); without a curve such rounds are left out."""
+        if last is None or last.batch.isdisjoint(batch):
+            return
+        if last.after_drafted not in (None, last.drafted):
+            return
+        ms = 1e3 * (started - last.started)
+        if not batch <= last.batch:
+            cost, budgets = self.cost_model, last.budgets
+            if cost is None or budgets is None:
+                return
+            kept = batch & last.batch
+            decode = len(kept) + sum(budgets.get(r, 0) for r in kept)
+            ms -= max(cost(num_tokens) - cost(decode), 0.0)
+            if ms <= 0:
+                return
+        gate.record_round(
+            drafted=last.drafted, tokens=len(last.batch) + accepted, ms=ms
+        )
 
     def _sampler_accepted(self) -> int:
         sampler = getattr(self._runner, "rejection_sampler", None)

@@ -1,8 +1,13 @@
-"""Which rounds the draft gate is credited with (AdaFlashProposer._credit_round),
-engine-free: the method reads only its arguments."""
+"""Which rounds the draft gate is credited with, and for how long
+(AdaFlashProposer._credit_round), engine-free: the method reads only its
+arguments and the proposer's cost curve."""
 
 from __future__ import annotations
 
+import types
+
+import pytest
+from adaflash_vllm.proposers.cost_model import StepCostModel
 from adaflash_vllm.proposers.proposer import AdaFlashProposer, _Propose
 
 
@@ -14,17 +19,31 @@ class _Gate:
         self.rounds.append(kw)
 
 
-def _credit(last_batch, batch, accepted=0, drafted=True, after_drafted=None):
+def _credit(
+    last_batch,
+    batch,
+    accepted=0,
+    drafted=True,
+    after_drafted=None,
+    budgets=None,
+    num_tokens=0,
+    cost=None,
+):
     gate = _Gate()
-    last = _Propose(10.0, 10.002, frozenset(last_batch), drafted, after_drafted)
-    AdaFlashProposer._credit_round(None, gate, last, frozenset(batch), 10.05, accepted)
+    last = _Propose(
+        10.0, 10.002, frozenset(last_batch), drafted, after_drafted, budgets
+    )
+    proposer = types.SimpleNamespace(cost_model=cost)
+    AdaFlashProposer._credit_round(
+        proposer, gate, last, frozenset(batch), 10.05, accepted, num_tokens
+    )
     return gate.rounds
 
 
 def test_same_batch_is_credited_start_to_start():
     (r,) = _credit({"a", "b"}, {"a", "b"}, accepted=3)
     assert r["drafted"] is True and r["tokens"] == 5
-    assert abs(r["ms"] - 50.0) < 1e-6
+    assert r["ms"] == pytest.approx(50.0)
 
 
 def test_finished_requests_still_credit_their_last_tokens():
@@ -32,8 +51,29 @@ def test_finished_requests_still_credit_their_last_tokens():
     assert r["tokens"] == 3
 
 
-def test_a_new_request_prompt_is_not_credited():
-    assert _credit({"a", "b"}, {"a", "b", "new"}) == []
+def test_a_new_request_prompt_is_taken_out_with_the_cost_curve():
+    """The step ran a's and b's 1 + k_i (2 + 4 tokens) and a new prompt (94): the
+    prompt's share of the step, cost(100) - cost(6), is not the round's."""
+    cost = StepCostModel([1, 128], [10.0, 35.4])  # 10 ms + 0.2 ms per extra token
+    (r,) = _credit(
+        {"a", "b"},
+        {"a", "b", "new"},
+        accepted=2,
+        budgets={"a": 1, "b": 3},
+        num_tokens=100,
+        cost=cost,
+    )
+    assert r["tokens"] == 4
+    assert r["ms"] == pytest.approx(50.0 - (cost(100) - cost(6)))
+
+
+def test_without_a_cost_curve_rounds_with_new_requests_are_left_out():
+    assert _credit({"a", "b"}, {"a", "b", "new"}, budgets={"a": 0}) == []
+    # and so is a round the prompt's estimate would leave with no time at all
+    cost = StepCostModel([1, 128], [1.0, 1000.0])
+    assert (
+        _credit({"a"}, {"a", "new"}, budgets={"a": 0}, num_tokens=128, cost=cost) == []
+    )
 
 
 def test_disjoint_or_empty_batches_are_not_credited():
