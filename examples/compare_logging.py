@@ -26,9 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from adaflash_vllm.training.data import chat_prompts, load_prompts
+
 from adaflash_vllm.bench.paired import (
     alternating_rounds,
     mean_ci,
+    offline_engine,
     paired_ratios,
     start_engine,
 )
@@ -51,19 +54,6 @@ def _spec(buffer_root: Path | None) -> dict:
         "num_speculative_tokens": 7,
         "adaflash": adaflash,
     }
-
-
-def _engine(spec: dict, concurrency: int):
-    from vllm import LLM
-
-    return LLM(
-        str(DEMO / "target"),
-        max_num_seqs=concurrency,
-        enforce_eager=True,
-        max_model_len=1024,
-        dtype="float32",
-        speculative_config=spec,
-    )
 
 
 _ROUND = re.compile(
@@ -124,20 +114,17 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="adaflash-logging-"))
     engines = {
-        name: start_engine(lambda spec=spec: _engine(spec, args.concurrency))
+        name: start_engine(
+            lambda spec=spec: offline_engine(
+                str(DEMO / "target"), spec, args.concurrency
+            )
+        )
         for name, spec in (("adaflash", _spec(None)), ("logging", _spec(root)))
     }
-    raw = [
-        json.loads(line)["prompt"]
-        for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
-    ]
-    tok = engines["adaflash"][0].get_tokenizer()
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True
-        )
-        for r in raw
-    ]
+    prompts = chat_prompts(
+        engines["adaflash"][0].get_tokenizer(),
+        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
+    )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm, _ in engines.values():  # warm-up
         llm.generate(prompts[:8], params, use_tqdm=False)

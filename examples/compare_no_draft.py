@@ -50,16 +50,9 @@ def _spec(config: str) -> dict | None:
 
 
 def _engine(config: str, concurrency: int):
-    from vllm import LLM
+    from adaflash_vllm.bench.paired import offline_engine
 
-    llm = LLM(
-        str(DEMO / "target"),
-        max_num_seqs=concurrency,
-        enforce_eager=True,
-        max_model_len=1024,
-        dtype="float32",
-        speculative_config=_spec(config),
-    )
+    llm = offline_engine(str(DEMO / "target"), _spec(config), concurrency)
     if config == "no_draft":
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     return llm
@@ -89,6 +82,7 @@ def main() -> None:
             p.error(f"unknown config {c!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
+    from adaflash_vllm.training.data import chat_prompts, load_prompts
     from vllm import SamplingParams
 
     from adaflash_vllm.bench.paired import (
@@ -100,15 +94,10 @@ def main() -> None:
     engines = {
         c: start_engine(lambda c=c: _engine(c, args.concurrency)) for c in configs
     }
-    tok = engines["plain"][0].get_tokenizer()
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": json.loads(line)["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for line in (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()
-    ]
+    prompts = chat_prompts(
+        engines["plain"][0].get_tokenizer(),
+        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
+    )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm, _ in engines.values():  # warm-up
         llm.generate(prompts[:8], params, use_tqdm=False)

@@ -97,18 +97,13 @@ class BlockLength:
         points = sorted(self.ms_per_request.items())
         if len(points) == 1:  # only the full block so far: anchor at context-only
             points = [(0, max(context_ms, 0.0) / max(num_reqs, 1)), *points]
-        (l0, m0), (l1, m1) = points[0], points[-1]
-        if len(points) > 2:  # least squares over every measured length
-            xs = [1 + lv for lv, _ in points]
-            ys = [m for _, m in points]
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            var = sum((x - mx) ** 2 for x in xs)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-            per = my + slope * (1 + length - mx)
-        else:
-            slope = (m1 - m0) / max(l1 - l0, 1)
-            per = m0 + slope * (length - l0)
-        return max(per, 0.0) * num_reqs
+        # Least squares over the measured lengths (through both when there are two).
+        xs = [float(lv) for lv, _ in points]
+        ys = [m for _, m in points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        return max(my + slope * (length - mx), 0.0) * num_reqs
 
     def choose(
         self,

@@ -356,14 +356,7 @@ class AdaFlashProposer(DFlashProposer):
                     cost=self.cost_model,
                     context_ms=gate.context_ms if gate is not None else 0.0,
                 )
-            self._last_propose = _Propose(
-                started,
-                now,
-                batch,
-                True,
-                None if last is None else last.drafted,
-                self._budgets,
-            )
+            self._remember_propose(started, now, batch, True, last)
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
                 draft_token_ids, (0, full - num_drafts)
@@ -409,16 +402,23 @@ class AdaFlashProposer(DFlashProposer):
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - started))
-        self._last_propose = _Propose(
-            started,
-            now,
-            batch,
-            False,
-            None if last is None else last.drafted,
-            self._budgets,
-        )
+        self._remember_propose(started, now, batch, False, last)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
+        )
+
+    def _remember_propose(
+        self,
+        started: float,
+        now: float,
+        batch: frozenset[str],
+        drafted: bool,
+        last: _Propose | None,
+    ) -> None:
+        """Keep this propose (with the budgets it chose) for the next step."""
+        after = None if last is None else last.drafted
+        self._last_propose = _Propose(
+            started, now, batch, drafted, after, self._budgets
         )
 
     def _write_deferred_context(self, gate, started: float) -> float:

@@ -31,6 +31,21 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def offline_engine(target: str, spec: dict | None, concurrency: int):
+    """The offline engine the paired comparisons serve (eager, float32, 1024
+    tokens per sequence, `concurrency` requests at a time)."""
+    from vllm import LLM
+
+    return LLM(
+        target,
+        max_num_seqs=concurrency,
+        enforce_eager=True,
+        max_model_len=1024,
+        dtype="float32",
+        speculative_config=spec,
+    )
+
+
 def start_engine(build: Callable[[], object]) -> tuple[object, set[int]]:
     """Build an engine and return it with the processes it started."""
     before = child_pids()

@@ -208,6 +208,26 @@ def _draft_logits(llm, prompts) -> list:
     )
 
 
+def assert_drafts_equal_fresh_engine(
+    tiny, checkpoint, prompts, got: list, *, same_argmax: bool = False
+) -> None:
+    """`got` (from `_draft_logits`) equals the drafts of a fresh engine started
+    directly on `checkpoint`: same positions and bonus tokens, logits within 1e-4
+    (and, with `same_argmax`, the same top draft at every slot)."""
+    fresh = make_llm(tiny.target, tiny.spec(k=K, adaflash={}, model=str(checkpoint)))
+    try:
+        direct = _draft_logits(fresh, prompts)
+    finally:
+        shutdown(fresh)
+    assert len(got) == len(direct) > 0
+    for (pos_a, tok_a, la), (pos_b, tok_b, lb) in zip(got, direct, strict=True):
+        assert (pos_a, tok_a) == (pos_b, tok_b)
+        a, b = torch.tensor(la), torch.tensor(lb)
+        if same_argmax:
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
 def test_restart_resumes_newest_good_version_equal_to_fresh_engine(online, tiny):
     """A restarted engine resumes from the newest good version, and its drafts equal
     those of a fresh engine started directly on that published checkpoint."""
@@ -223,14 +243,6 @@ def test_restart_resumes_newest_good_version_equal_to_fresh_engine(online, tiny)
         resumed = _draft_logits(restarted, prompts)
     finally:
         shutdown(restarted)
-    fresh = make_llm(tiny.target, tiny.spec(k=K, adaflash={}, model=str(good.path)))
-    try:
-        direct = _draft_logits(fresh, prompts)
-    finally:
-        shutdown(fresh)
-    assert len(resumed) == len(direct) > 0
-    for (pos_a, tok_a, la), (pos_b, tok_b, lb) in zip(resumed, direct, strict=True):
-        assert (pos_a, tok_a) == (pos_b, tok_b)
-        a, b = torch.tensor(la), torch.tensor(lb)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert_drafts_equal_fresh_engine(
+        tiny, good.path, prompts, resumed, same_argmax=True
+    )

@@ -6,11 +6,10 @@ import json
 import time
 
 import pytest
-import torch
 from adaflash_vllm.training.checkpoint import load_drafter
 
 from adaflash_vllm.versions import publish_version
-from tests.engine.test_online import _draft_logits
+from tests.engine.test_online import _draft_logits, assert_drafts_equal_fresh_engine
 from tests.helpers import PROMPTS, greedy, make_llm, metrics, shutdown
 
 pytestmark = pytest.mark.engine
@@ -55,13 +54,4 @@ def test_sliced_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path)
         assert greedy(llm, PROMPTS) == baseline["greedy"]
     finally:
         shutdown(llm)
-    fresh = make_llm(tiny.target, tiny.spec(k=K, adaflash={}, model=str(path)))
-    try:
-        direct = _draft_logits(fresh, prompts)
-    finally:
-        shutdown(fresh)
-    assert len(swapped) == len(direct) > 0
-    for (pos_a, tok_a, la), (pos_b, tok_b, lb) in zip(swapped, direct, strict=True):
-        assert (pos_a, tok_a) == (pos_b, tok_b)
-        a, b = torch.tensor(la), torch.tensor(lb)
-        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+    assert_drafts_equal_fresh_engine(tiny, path, prompts, swapped)
