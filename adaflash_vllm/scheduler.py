@@ -159,7 +159,7 @@ class AdaFlashScheduler(Scheduler):
     ) -> None:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
-        rounds = self.rounds
+        rounds = self.rounds if self.online is not None else None  # for its log
         drafts, accepted = [], []  # this step's rounds, for the counters
         for req_id, (_, position, k) in before.items():
             i = index.get(req_id)
@@ -167,10 +167,11 @@ class AdaFlashScheduler(Scheduler):
             if k is None or not generated:  # prefill, or discarded (preempted)
                 continue
             a = min(len(generated) - 1, k)
-            log = rounds.get(req_id)
-            if log is None:
-                log = rounds[req_id] = RequestRounds()
-            log.add(position, k, a)
+            if rounds is not None:
+                log = rounds.get(req_id)
+                if log is None:
+                    log = rounds[req_id] = RequestRounds()
+                log.add(position, k, a)
             drafts.append(k)
             accepted.append(a)
         if not drafts:

@@ -115,3 +115,17 @@ class AdaFlashWorkerExtension:
         from adaflash_vllm.proposers.draft_gate import ScriptedDraftGate
 
         self.model_runner.drafter.draft_gate = ScriptedDraftGate(draft_every)
+
+    def adaflash_debug_gate(self, settings: dict[str, float]) -> dict[str, Any]:
+        """Experiments: set draft-gate parameters (`DraftGate` fields such as
+        `switch_z` or `max_interval`) on the running gate; returns its state.
+        Unknown fields are refused (nothing is set)."""
+        gate = self.model_runner.drafter.draft_gate
+        if gate is None:
+            raise ValueError("no draft gate runs (cost_aware with skip_drafting)")
+        unknown = sorted(set(settings) - set(gate.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown draft gate fields {unknown}")
+        for name, value in settings.items():
+            setattr(gate, name, type(getattr(gate, name))(value))
+        return gate.to_dict()

@@ -9,10 +9,13 @@ Run (about 6 minutes on 2 cores):
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
-`length.adaptive_block: true`) and `adaflash:noskip` (`skip_drafting: false`).
+`length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`) and
+`adaflash:z2` (the draft gate switching modes only past 2 standard errors, set
+with the `adaflash_debug_gate` RPC).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
-of the per-round ratios with 95% intervals) and one JSON line.
+of the per-round ratios with 95% intervals), for AdaFlash ones also to `dflash`
+when that ran, and one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ DEMO = Path(__file__).resolve().parent / "demo"
 _ADAFLASH_VARIANTS = {
     "adaptive_block": {"adaptive_block": True},
     "noskip": {"skip_drafting": False},
+    "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
 }
+# adaflash:VARIANT: draft-gate parameters set on the running engine
+_GATE_SETTINGS = {"z2": {"switch_z": 2.0}}
 
 
 def _spec(config: str) -> dict | None:
@@ -55,6 +61,9 @@ def _engine(config: str, concurrency: int):
     llm = offline_engine(str(DEMO / "target"), _spec(config), concurrency)
     if config == "no_draft":
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
+    settings = _GATE_SETTINGS.get(config.partition(":")[2])
+    if config.startswith("adaflash:") and settings:
+        llm.collective_rpc("adaflash_debug_gate", args=(settings,))
     return llm
 
 
@@ -67,7 +76,7 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip] "
+        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip|z2] "
         "(each compared to plain)",
     )
     args = p.parse_args()
@@ -113,11 +122,16 @@ def main() -> None:
         engines, prompts, params, args.rounds, args.num_prompts, on_round=show
     )
     summary = {"concurrency": args.concurrency, "vs_plain": {}}
-    for c in configs[1:]:
-        r = paired_ratios(rows, c, "plain")
-        summary["vs_plain"][c] = r
+    # Each configuration against plain; AdaFlash ones also against stock DFlash
+    # K = 7 when it ran.
+    pairs = [(c, "plain") for c in configs[1:]]
+    if "dflash" in configs:
+        pairs += [(c, "dflash") for c in configs if c.startswith("adaflash")]
+    for c, base in pairs:
+        r = paired_ratios(rows, c, base)
+        summary.setdefault(f"vs_{base}", {})[c] = r
         print(
-            f"{c} / plain: tok/s {r['tok_s_ratio_mean']:.3f} +- "
+            f"{c} / {base}: tok/s {r['tok_s_ratio_mean']:.3f} +- "
             f"{r['tok_s_ratio_ci95']:.3f} (95%, median {r['tok_s_ratio_median']:.3f}); "
             f"CPU per token {r['cpu_per_token_ratio_mean']:.3f} +- "
             f"{r['cpu_per_token_ratio_ci95']:.3f}"

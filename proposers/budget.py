@@ -313,7 +313,10 @@ def allocate_budgets(
     order = torch.argsort(free, descending=True)
     gains = torch.cat([torch.zeros(1), free[order].cumsum(0)])
     budgets = torch.arange(gains.numel(), dtype=torch.float32)
-    times = torch.tensor([cost(base_n + float(n)) for n in budgets])
+    if hasattr(cost, "many"):  # StepCostModel: one vectorised pass
+        times = cost.many(base_n + budgets).float()
+    else:  # any callable (tests, synthetic curves)
+        times = torch.tensor([cost(base_n + n) for n in range(gains.numel())])
     rate = (base_tokens + gains) / (times + extra_ms)
     best = int(torch.argmax(rate))
     chosen = torch.zeros(b * (k - k_min), dtype=torch.long)

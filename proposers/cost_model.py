@@ -13,6 +13,8 @@ import bisect
 import time
 from collections.abc import Callable
 
+import torch
+
 
 class StepCostModel:
     """Piecewise-linear step time (ms) over verified tokens n, refreshed online."""
@@ -52,6 +54,16 @@ class StepCostModel:
         i, w = self._bracket(n)
         t = self.times_ms
         return max(1e-6, t[i - 1] + (t[i] - t[i - 1]) * w)
+
+    def many(self, n: torch.Tensor) -> torch.Tensor:
+        """cost(n) for every element of n (the same curve, in one vectorised pass:
+        budgets evaluate it at every candidate slot count, B * K + 1 points)."""
+        s = torch.tensor(self.sizes, dtype=torch.float64)
+        t = torch.tensor(self.times_ms, dtype=torch.float64)
+        n = n.to(torch.float64)
+        i = torch.searchsorted(s, n).clamp(1, len(s) - 1)  # bisect_left, as _bracket
+        w = (n - s[i - 1]) / (s[i] - s[i - 1])
+        return (t[i - 1] + (t[i] - t[i - 1]) * w).clamp(min=1e-6)
 
     def observe(self, n: int, ms: float) -> None:
         """Move the curve at n toward a measured step (n tokens, ms): both table

@@ -8,30 +8,38 @@ K/V (so the drafter's cache stays in sync) and every request verifies 0 drafts,
 which the target serves as a plain decode step.
 
 The gate decides from what steps really deliver, not only from estimates. Each
-step's round (from one propose to the next: the drafter's forward, then the
-target verifying its drafts) is timed and credited with the tokens it emitted
-(requests + accepted drafts), and an EMA of tokens per ms is kept for drafting
-rounds and for skipped ones. The gate follows the better mode and explores the
-other for `explore_steps` rounds every `interval` rounds; an exploration that
-confirms the current mode doubles the interval (up to `max_interval`), one that
-flips it resets the interval. A decisive result (the winner delivers
-`decisive_margin` times the loser's rate) backs off twice as fast: exploring a mode
-that clearly loses is a few slow rounds each time, which under heavy load are most
-of what the gate costs. While drafting, a drop of `shift_drop` in drafting's own
-rate since the last exploration (traffic moved to a domain the drafter knows less)
-that leaves it within `decisive_margin` of skipping's last measured rate starts an
-exploration at once instead of waiting out the backoff. Exploring skips
-costs a few slow rounds, so it is only done when the cost model's own estimate
-(expected tokens per ms from the budgets and the step-cost curve) does not already
-favour drafting by `sure_margin`; a batch that shrank by a quarter since the last
-switch explores drafting at once. A switch needs the other mode to win by more
-than `switch_z` standard errors of the two rates (from the spread of their
+step's round (from one propose to the next: the drafter's forward, then the target
+verifying its drafts) is timed and credited with the tokens it emitted (requests +
+accepted drafts), and an EMA of tokens per ms is kept for drafting rounds and for
+skipped ones. The gate follows the better mode and explores the other for
+`explore_steps` rounds every `interval` rounds; an exploration that confirms the
+current mode doubles the interval (up to `max_interval`), one that flips it resets
+the interval. A switch to drafting that is undone sooner than skipping would have
+checked again was noise: skipping resumes its backoff (without this, under load a
+lucky exploration of drafting now and then kept the checks of a losing mode every
+8-16 steps). The other way round a quick return is usually text turning easy again
+at low load, and drafting's checks of skipping start over. A decisive result (the
+winner delivers `decisive_margin` times the loser's rate) backs off twice as fast:
+exploring a mode that clearly loses is a few slow rounds each time, which under
+heavy load are most of what the gate costs. While drafting, a drop of `shift_drop`
+in drafting's own rate since the last exploration (traffic moved to a domain the
+drafter knows less) that leaves it within `decisive_margin` of skipping's last
+measured rate starts an exploration at once instead of waiting out the backoff.
+Exploring skips costs a few slow rounds, so it is only done when the cost model's
+own estimate (expected tokens per ms from the budgets and the step-cost curve) does
+not already favour drafting by `sure_margin`; a batch that shrank by a quarter since
+the last switch explores drafting at once. A switch needs the other mode to win by
+more than `switch_z` standard errors of the two rates (from the spread of their
 per-round rates): at low load drafting's rounds emit anywhere from 1 to K + 1
 tokens, and without this its EMA dipping below skipping's steady rate by chance
-switched the gate off for a third of the steps at one request. While skipping,
-checks of drafting back off only to `skip_interval_per_request` steps per request
-in the batch: with few requests drafting's rate follows their text, and a stretch
-of easy text missed costs several times what a check during a hard one does.
+switched the gate off for a third of the steps at one request. A switch to skipping
+must also beat drafting's long-run rate (`draft_rate_slow`, an EMA in which a round
+of B requests weighs as B one-request rounds would, restarted when the batch moves
+by a quarter): a run of rejected rounds is common in text the drafter serves well,
+and skipping such runs at one request still cost 6%. While skipping, checks of
+drafting back off only to `skip_interval_per_request` steps per request in the
+batch: with few requests drafting's rate follows their text, and a stretch of easy
+text missed costs several times what a check during a hard one does.
 """
 
 from __future__ import annotations
@@ -52,18 +60,25 @@ class DraftGate:
     ema: float = 0.3
     switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
     skip_interval_per_request: int = 16  # while skipping, explore at most this x B
+    # drafting's long-run rate: EMA weight per request in a round (at B requests
+    # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter)
+    slow_ema_per_request: float = 0.04
     drafting: bool = True  # the mode being followed
     interval: int = 8
     step: int = 0
     explore_at: int = 8  # step at which the next exploration starts
     exploring_until: int = 0
     switch_batch: int = 0  # batch size at the last switch / exploration
+    switched_at: int = 0  # step of the last switch
+    left_interval: int = 0  # interval of the mode the last switch left
     settled_at: int = 0  # step of the last exploration's end
     settled_draft_rate: float | None = None  # drafting's tokens per ms then
     model_ratio: float | None = None  # estimated draft/plain rate, last drafting step
     # tokens per ms of drafting rounds and of skipped ones (EMAs of both sums)
     draft_rate: RatioEMA = field(init=False)
     skip_rate: RatioEMA = field(init=False)
+    draft_rate_slow: RatioEMA = field(init=False)  # since the batch was slow_batch
+    slow_batch: int = 0
     # EMAs of per-round rates and their squares, per mode (True: drafting): noise
     rate_moments: dict = field(init=False)
     drafted_steps: int = 0
@@ -72,11 +87,18 @@ class DraftGate:
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
+        self.draft_rate_slow = RatioEMA(self.ema)
         self.rate_moments = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}
 
     def should_draft(self, num_reqs: int) -> bool:
         """Called once per step before proposing."""
         self.step += 1
+        if not 3 * self.slow_batch <= 4 * num_reqs <= 5 * self.slow_batch:
+            # The batch moved by more than a quarter: rates are not comparable.
+            # A round of B requests weighs as B one-request rounds would.
+            w = 1.0 - (1.0 - self.slow_ema_per_request) ** max(num_reqs, 1)
+            self.draft_rate_slow = RatioEMA(min(w, self.ema))
+            self.slow_batch = num_reqs
         if self.step < self.exploring_until:
             draft = not self.drafting  # exploring the other mode
         elif self.step == self.exploring_until:
@@ -101,6 +123,8 @@ class DraftGate:
         verification emitted and the ms from its propose to this one."""
         if ms > 0:
             (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
+            if drafted:
+                self.draft_rate_slow.add(tokens, ms)
             m = self.rate_moments[drafted]
             r, a = tokens / ms, self.ema if m[0] else 1.0
             m[0] += 1
@@ -170,12 +194,32 @@ class DraftGate:
                 self.switch_z
                 * (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
             )
-            best = not s > d + noise if self.drafting else d > s + noise
+            if self.drafting:
+                # Skipping must also beat drafting's long-run rate: a few rejected
+                # rounds in a row are common in text drafting serves well, and at
+                # one request skipping them lost 6% (BENCHMARKS.md, the gate at
+                # C = 1); steadily rejected drafts (another domain) still switch.
+                slow = self.draft_rate_slow.ratio()
+                best = not (s > d + noise and (slow is None or s > slow))
+            else:
+                best = d > s + noise
             grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
         if best == self.drafting:
             self.interval = min(grow * self.interval, self.max_interval)
+        elif (
+            not best
+            and self.left_interval
+            and self.step - self.switched_at <= self.left_interval
+        ):
+            # Back to skipping before its own next check would have come: the
+            # switch to drafting was noise, and this confirms skipping, whose
+            # backoff resumes instead of starting over.
+            self.drafting, self.switched_at = best, self.step
+            self.interval = min(grow * self.left_interval, self.max_interval)
+            self.left_interval = 0
         else:
-            self.drafting = best
+            self.drafting, self.switched_at = best, self.step
+            self.left_interval = self.interval
             self.interval = min(grow // 2 * self.min_interval, self.max_interval)
         if not self.drafting:
             # Few requests: drafting's rate follows their text, which turns easy

@@ -43,8 +43,10 @@ class AdaFlashRejectionSampler(RejectionSampler):
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if _only_bonus_tokens(metadata, sampling_metadata):
             output = self._sample_bonus_only(metadata, logits, sampling_metadata)
-        else:
-            output = super().forward(metadata, draft_probs, logits, sampling_metadata)
+            if self.recording:  # nothing drafted or accepted: B rounds of 1 token
+                self._record_bonus_only(len(metadata.num_draft_tokens), output)
+            return output
+        output = super().forward(metadata, draft_probs, logits, sampling_metadata)
         if self.recording:
             self._record(metadata.num_draft_tokens, output.sampled_token_ids)
         return output
@@ -60,6 +62,12 @@ class AdaFlashRejectionSampler(RejectionSampler):
         return SamplerOutput(
             sampled_token_ids=bonus.sampled_token_ids.view(-1, 1), logprobs_tensors=None
         )
+
+    def _record_bonus_only(self, num_reqs: int, output: SamplerOutput) -> None:
+        if self._counts is None:
+            k_max = output.sampled_token_ids.shape[1] - 1
+            self._grow(max(k_max, 1), output.sampled_token_ids.device)
+        self._counts["verify_hist"][0] += num_reqs
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
         # sampled: [B, K + 1], -1 after the first rejection (and past k_i + 1).

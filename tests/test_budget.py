@@ -9,6 +9,7 @@ from adaflash_vllm.proposers.budget import (
     DebugRaggedBudget,
     HeadSurvival,
     PaperBudget,
+    allocate_budgets,
     geometric_survival,
     make_budget_policy,
 )
@@ -149,6 +150,24 @@ def test_cost_aware_without_profile_uses_the_paper_rule():
     paper = PaperBudget(_fixed_survival(s), gamma=1.0, k_min=1)
     policy = CostAwareBudget(_fixed_survival(s), lambda: None, k_min=1, fallback=paper)
     assert policy.choose(req_ids=["r"], num_drafts=K, hidden_states=None) == [4]
+
+
+def test_vectorised_cost_equals_the_curve_everywhere():
+    """`many` (what the budgets evaluate at every slot count) is the same curve
+    as calling the model per point, past both ends of the table included."""
+    model = StepCostModel([2, 8, 64, 128], [10.0, 12.0, 30.0, 31.0])
+    n = torch.tensor([0.0, 1.0, 2.0, 3.5, 8.0, 9.0, 64.0, 100.0, 128.0, 500.0])
+    want = torch.tensor([model(float(x)) for x in n], dtype=torch.float64)
+    assert torch.allclose(model.many(n), want, rtol=1e-12)
+
+
+def test_allocation_is_the_same_with_a_plain_callable_curve():
+    torch.manual_seed(1)
+    s = geometric_survival(torch.rand(64), K)
+    model = StepCostModel([1, 16, 64, 256, 512], [5.0, 6.0, 12.0, 40.0, 90.0])
+    fast, choice = allocate_budgets(s, model, 1, 3.0)
+    slow, slow_choice = allocate_budgets(s, lambda n: model(n), 1, 3.0)
+    assert fast == slow and choice["budget"] == slow_choice["budget"]
 
 
 def test_profile_and_online_refresh():

@@ -175,10 +175,15 @@ def test_noise_aware_switching_keeps_drafting_at_low_load():
     0.32 tokens per ms: switches that only follow the EMA's dips are what the
     noise margin removes."""
     steps = 2000
-    naive = sum(_low_load(DraftGate(switch_z=0.0), steps, seed) for seed in range(5))
-    aware = sum(_low_load(DraftGate(), steps, seed) for seed in range(5))
-    assert aware < 0.6 * naive, (aware, naive)
-    assert aware < 0.08 * 5 * steps  # explorations (backed off) and little else
+
+    def skipped(**settings) -> int:
+        return sum(_low_load(DraftGate(**settings), steps, s) for s in range(5))
+
+    naive = skipped(switch_z=0.0, slow_ema_per_request=1.0)  # the EMAs alone
+    # Each guard alone: the noise margin, and drafting's long-run rate.
+    assert skipped(slow_ema_per_request=1.0) < 0.6 * naive
+    assert skipped(switch_z=0.0) < 0.6 * naive
+    assert skipped() < 0.06 * 5 * steps  # explorations (backed off) and no more
 
 
 def test_steadily_losing_drafts_still_switch_at_low_load():
@@ -190,12 +195,12 @@ def test_steadily_losing_drafts_still_switch_at_low_load():
     assert not gate.drafting and modes[-100:].count(True) <= 25
 
 
-def _stretches(gate, steps, b=1):
-    """Text alternating every 40 steps between easy (drafting 0.2 tokens per ms)
-    and hard (0.045); skipped rounds 0.065 throughout. Returns tokens per ms."""
+def _stretches(gate, steps, easy_steps, hard_steps, b=1):
+    """Text alternating between easy stretches (drafting 0.2 tokens per ms) and
+    hard ones (0.045); skipped rounds 0.065 throughout. Returns tokens per ms."""
     last, tokens, ms = None, 0.0, 0.0
     for step in range(steps):
-        easy = (step // 40) % 2 == 0
+        easy = step % (easy_steps + hard_steps) < easy_steps
         if last is not None:
             rate = (0.2 if easy else 0.045) if last else 0.065
             gate.record_round(drafted=last, tokens=rate * 20.0, ms=20.0)
@@ -205,12 +210,75 @@ def _stretches(gate, steps, b=1):
 
 
 def test_skipping_checks_drafting_often_when_few_requests():
-    capped = _stretches(DraftGate(), 2000)
-    uncapped = _stretches(DraftGate(skip_interval_per_request=10**6), 2000)
-    assert capped > 1.1 * uncapped, (capped, uncapped)
+    """Long hard stretches (300 steps) between easy ones (60): skipping them pays,
+    and checking drafting often while skipping catches the easy text."""
+    capped = _stretches(DraftGate(), 4000, 60, 300)
+    uncapped = _stretches(DraftGate(skip_interval_per_request=10**6), 4000, 60, 300)
+    never_skip = (0.2 * 60 + 0.045 * 300) / 360
+    assert capped > 1.05 * uncapped, (capped, uncapped)
+    assert capped > 1.03 * never_skip, (capped, never_skip)
+
+
+def test_short_hard_stretches_keep_drafting_at_low_load():
+    """Hard stretches of 40 steps between easy ones: drafting's long-run rate
+    (0.12 tokens per ms) stays above skipping's (0.065), so the gate keeps
+    drafting through them (skipping them cost 6% at one request in served text)."""
+    gate = DraftGate()
+    rate = _stretches(gate, 4000, 40, 40)
+    assert rate > 0.97 * (0.2 + 0.045) / 2, rate
+    # explorations only (a hard stretch's drop in drafting's rate checks skipping
+    # at once, 4 steps each time, which in a hard stretch costs nothing)
+    assert gate.skipped_steps < 0.08 * 4000
 
 
 def test_skipping_under_load_still_backs_off_fully():
     gate = DraftGate(min_interval=8, max_interval=128)
     _serve(gate, 1000, draft_rate=1.0, skip_rate=1.5, b=32)
     assert not gate.drafting and gate.interval == 128
+
+
+def _settle_with(gate, *, draft, skip):
+    """End an exploration with these measured rates (tokens per ms)."""
+    for drafted, rate in ((True, draft), (False, skip)):
+        (gate.draft_rate if drafted else gate.skip_rate).__init__(gate.ema)
+        gate.record_round(drafted=drafted, tokens=rate * 20.0, ms=20.0)
+    gate.exploring_until = gate.step
+    gate._settle()
+
+
+def test_a_switch_undone_soon_resumes_the_backoff_of_the_mode_it_left():
+    """Skipping, backed off to 128 steps; one exploration of drafting wins by luck,
+    the next check of skipping reverses it: skipping keeps its long interval
+    instead of checking drafting every 8-16 steps again."""
+    gate = DraftGate(
+        min_interval=8, max_interval=128, drafting=False, interval=128, switch_batch=32
+    )
+    _settle_with(gate, draft=1.1, skip=1.0)  # the lucky exploration
+    assert gate.drafting and gate.interval == 8
+    gate.step += 4
+    _settle_with(gate, draft=1.0, skip=1.1)  # reversed before skipping's next check
+    assert not gate.drafting and gate.interval == 128
+
+
+def test_a_switch_that_held_resets_the_backoff_when_reversed():
+    """A switch that held past the left mode's interval was a real change: going
+    back starts the backoff over."""
+    gate = DraftGate(
+        min_interval=8, max_interval=128, drafting=False, interval=16, switch_batch=32
+    )
+    _settle_with(gate, draft=1.1, skip=1.0)
+    assert gate.drafting
+    gate.step += 100  # drafting held for longer than skipping's 16-step interval
+    _settle_with(gate, draft=1.0, skip=1.1)
+    assert not gate.drafting and gate.interval == 8
+
+
+def test_a_quick_return_to_drafting_starts_its_checks_over():
+    """At low load a quick return to drafting is text turning easy again, not
+    noise: drafting's checks of skipping start from the shortest interval."""
+    gate = DraftGate(min_interval=8, max_interval=128, interval=128, switch_batch=1)
+    _settle_with(gate, draft=1.0, skip=1.1)
+    assert not gate.drafting
+    gate.step += 4
+    _settle_with(gate, draft=1.1, skip=1.0)
+    assert gate.drafting and gate.interval == 8

@@ -107,6 +107,16 @@ def test_bonus_only_step_is_counted_as_zero_draft_rounds():
     assert sampler.accepted_total() == 0
 
 
+def test_counts_add_up_across_bonus_only_and_drafting_steps():
+    sampler = AdaFlashRejectionSampler(Sampler())
+    for drafts in ([[] for _ in range(B)], [[1, 2]] + [[] for _ in range(B - 1)]):
+        logits = torch.randn(B + sum(map(len, drafts)), V)
+        sampler(_metadata(drafts), None, logits, _sampling(None, 0))
+    stats = sampler.stats()
+    assert stats["verify_hist"][0] == 2 * B - 1 and stats["verify_hist"][2] == 1
+    assert stats["drafted"][:2] == [1, 1] and sum(stats["drafted"]) == 2
+
+
 def test_steps_with_drafts_or_logprobs_take_vllms_path(monkeypatch):
     calls = []
     monkeypatch.setattr(
