@@ -44,6 +44,7 @@ import zlib
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 from adaflash_vllm.proposers.cost_model import StepCostModel
 from adaflash_vllm.proposers.ratio_ema import RatioEMA
@@ -302,26 +303,29 @@ def allocate_budgets(
     k_min: int,
     extra_ms: float = 0.0,
 ) -> tuple[list[int], dict]:
-    """The cost-aware allocation (module docstring) for survivals s [B, K] under
-    step-cost curve `cost` (ms vs verified tokens), plus `extra_ms` of fixed time
-    per step (the drafter's, when comparing block lengths). Returns (k_i, choice)."""
+    """The cost-aware allocation (module docstring) for survivals s [B, K] (CPU)
+    under step-cost curve `cost` (ms vs verified tokens), plus `extra_ms` of fixed
+    time per step (the round's drafting). Returns (k_i, choice). In numpy: it runs
+    on every drafting step, on B * K + 1 candidate budgets, where torch's per-op
+    overhead was most of its time (examples/bench_budgets.py)."""
+    s = s.detach().to(torch.float64).numpy()
     b, k = s.shape
     k_min = min(k_min, k)
     base_tokens = b + float(s[:, :k_min].sum())
     base_n = b * (1 + k_min)
     free = s[:, k_min:].reshape(-1)
-    order = torch.argsort(free, descending=True)
-    gains = torch.cat([torch.zeros(1), free[order].cumsum(0)])
-    budgets = torch.arange(gains.numel(), dtype=torch.float32)
+    order = np.argsort(-free, kind="stable")
+    gains = np.concatenate([[0.0], np.cumsum(free[order])])
+    n = base_n + np.arange(gains.size, dtype=np.float64)
     if hasattr(cost, "many"):  # StepCostModel: one vectorised pass
-        times = cost.many(base_n + budgets).float()
+        times = cost.many(n)
     else:  # any callable (tests, synthetic curves)
-        times = torch.tensor([cost(base_n + n) for n in range(gains.numel())])
+        times = np.array([cost(float(x)) for x in n])
     rate = (base_tokens + gains) / (times + extra_ms)
-    best = int(torch.argmax(rate))
-    chosen = torch.zeros(b * (k - k_min), dtype=torch.long)
+    best = int(np.argmax(rate))
+    chosen = np.zeros(b * (k - k_min), dtype=np.int64)
     chosen[order[:best]] = 1
-    k_i = chosen.view(b, k - k_min).sum(-1) + k_min
+    k_i = chosen.reshape(b, k - k_min).sum(-1) + k_min
     choice = {
         "budget": best,
         "expected_tokens": float(base_tokens + gains[best]),

@@ -13,7 +13,7 @@ import bisect
 import time
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 
 class StepCostModel:
@@ -55,15 +55,15 @@ class StepCostModel:
         t = self.times_ms
         return max(1e-6, t[i - 1] + (t[i] - t[i - 1]) * w)
 
-    def many(self, n: torch.Tensor) -> torch.Tensor:
-        """cost(n) for every element of n (the same curve, in one vectorised pass:
-        budgets evaluate it at every candidate slot count, B * K + 1 points)."""
-        s = torch.tensor(self.sizes, dtype=torch.float64)
-        t = torch.tensor(self.times_ms, dtype=torch.float64)
-        n = n.to(torch.float64)
-        i = torch.searchsorted(s, n).clamp(1, len(s) - 1)  # bisect_left, as _bracket
-        w = (n - s[i - 1]) / (s[i] - s[i - 1])
-        return (t[i - 1] + (t[i] - t[i - 1]) * w).clamp(min=1e-6)
+    def many(self, n: np.ndarray) -> np.ndarray:
+        """cost(n) for every element of n: the same curve in one vectorised pass
+        (budgets evaluate it at every candidate slot count, B * K + 1 points)."""
+        s = np.asarray(self.sizes, dtype=np.float64)
+        t = np.asarray(self.times_ms, dtype=np.float64)
+        x = np.asarray(n, dtype=np.float64)
+        i = np.clip(np.searchsorted(s, x), 1, len(s) - 1)  # bisect_left, as _bracket
+        w = (x - s[i - 1]) / (s[i] - s[i - 1])
+        return np.maximum(t[i - 1] + (t[i] - t[i - 1]) * w, 1e-6)
 
     def observe(self, n: int, ms: float) -> None:
         """Move the curve at n toward a measured step (n tokens, ms): both table
