@@ -141,11 +141,15 @@ def main() -> None:
             continue
         state = llm.collective_rpc("adaflash_budget_state")[0]
         gate, block = state["draft_gate"] or {}, state["block_length"] or {}
+        counts = llm.collective_rpc("adaflash_sampler_stats")[0]
+        rounds = max(sum(counts["verify_hist"]), 1)  # warm-up included
         summary.setdefault("adaflash_state", {})[name] = {
             "drafted_steps": gate.get("drafted_steps"),
             "skipped_steps": gate.get("skipped_steps"),
             "block_length": block.get("length"),
             "block_probes": block.get("probes"),
+            "drafts_verified_per_round": sum(counts["drafted"]) / rounds,
+            "drafts_accepted_per_round": sum(counts["accepted"]) / rounds,
         }
         print(f"{name}: {summary['adaflash_state'][name]}")
     print(json.dumps(summary))

@@ -2,9 +2,22 @@
 
 Profiled once in the worker (timed dummy forwards at a ladder of token counts,
 before the first real step) and refreshed online from real decode steps: the
-proposer times consecutive steps whose batch did not change and moves the table
-toward what it saw (EMA). The cost-aware budget policy only needs differences in
-cost between token counts, plus the step's fixed part, both of which this gives.
+proposer times consecutive steps whose batch did not change. The cost-aware budget
+policy only needs differences in cost between token counts, plus the step's fixed
+part, both of which this gives.
+
+A step's time is the curve at its token count plus a level shared by every count.
+Each observation moves the level fast (EMA `ema`) and the curve's two points around
+its token count slowly (`shape_ema`), while every point decays toward the profile
+(`shape_decay`: the level and a common shift of the points steps hit explain the
+same steps, and unpulled that shift would drift with the noise). A real step also
+pays scheduling and output handling that the profile's dummy forwards do not, and
+this VM's speed swings by tens of percent within a minute: both are the same at
+every token count, so they go into the level. Moving single points by them instead
+(as this did before) left points that steps never hit at their profiled value, and
+made fake slopes out of noise between points that they do: at one request, cost(1) =
+9 ms profiled against 16 ms observed at 2-8 tokens, and budgets trimmed drafts whose
+slots were free.
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ class StepCostModel:
         times_ms: list[float],
         *,
         ema: float = 0.3,
+        shape_ema: float = 0.02,
+        shape_decay: float = 0.002,
         max_step_ratio: float = 2.0,
     ):
         if (
@@ -36,8 +51,11 @@ class StepCostModel:
         if any(t <= 0 for t in times_ms):
             raise ValueError(f"step times must be positive, got {times_ms}")
         self.sizes = list(sizes)
-        self.times_ms = [float(t) for t in times_ms]
-        self.ema = ema
+        self._profile = [float(t) for t in times_ms]
+        self._shape = list(self._profile)  # what observations move
+        self.times_ms = list(self._shape)  # its running max: the curve's shape
+        self.level_ms = 0.0  # added at every token count
+        self.ema, self.shape_ema, self.shape_decay = ema, shape_ema, shape_decay
         # One observation counts as at most this many times (or 1/this) the curve:
         # a hiccup (a GC pause, the OS) must not lift a point the budgets then avoid
         # and never measure again; a real change still converges, step by step.
@@ -53,7 +71,7 @@ class StepCostModel:
     def __call__(self, n: float) -> float:
         i, w = self._bracket(n)
         t = self.times_ms
-        return max(1e-6, t[i - 1] + (t[i] - t[i - 1]) * w)
+        return max(1e-6, t[i - 1] + (t[i] - t[i - 1]) * w + self.level_ms)
 
     def many(self, n: np.ndarray) -> np.ndarray:
         """cost(n) for every element of n: the same curve in one vectorised pass
@@ -63,27 +81,36 @@ class StepCostModel:
         x = np.asarray(n, dtype=np.float64)
         i = np.clip(np.searchsorted(s, x), 1, len(s) - 1)  # bisect_left, as _bracket
         w = (x - s[i - 1]) / (s[i] - s[i - 1])
-        return np.maximum(t[i - 1] + (t[i] - t[i - 1]) * w, 1e-6)
+        return np.maximum(t[i - 1] + (t[i] - t[i - 1]) * w + self.level_ms, 1e-6)
 
     def observe(self, n: int, ms: float) -> None:
-        """Move the curve at n toward a measured step (n tokens, ms): both table
-        points around n, each by its interpolation weight (clamped outside the
-        table), so that cost(n) itself converges to what steps take. The step's
+        """Move the curve toward a measured step (n tokens, ms): the level by `ema`
+        of the difference, the two table points around n by `shape_ema` of it,
+        each by its interpolation weight (clamped outside the table). The step's
         ratio to the curve is bounded by `max_step_ratio`."""
         if ms <= 0 or n <= 0:
             return
         i, w = self._bracket(n)
         bound = self.max_step_ratio
-        ratio = min(bound, max(1.0 / bound, ms / self(n)))
+        predicted = self(n)
+        ratio = min(bound, max(1.0 / bound, ms / predicted))
+        diff = predicted * (ratio - 1.0)
+        self.level_ms += self.ema * diff
+        # Every point decays toward the profile: the level and a shift of all
+        # the points that steps hit explain the same steps, and without a pull
+        # that shift (against the counts steps never hit) would drift as noise.
+        decay = self.shape_decay
+        self._shape = [
+            t - decay * (t - p) for t, p in zip(self._shape, self._profile, strict=True)
+        ]
         for j, weight in ((i - 1, 1.0 - w), (i, w)):
             weight = min(1.0, max(0.0, weight))
-            self.times_ms[j] *= 1.0 + self.ema * weight * (ratio - 1.0)
-        self._keep_monotone()
+            self._shape[j] = max(self._shape[j] + self.shape_ema * weight * diff, 1e-3)
+        # More tokens never cost less. The running max is taken, not written back:
+        # written back, every dip of a point below its left neighbour was undone
+        # while every rise stayed, and noise alone ratcheted the curve up.
+        self.times_ms = np.maximum.accumulate(self._shape).tolist()
         self.observations += 1
-
-    def _keep_monotone(self) -> None:
-        for j in range(1, len(self.times_ms)):
-            self.times_ms[j] = max(self.times_ms[j], self.times_ms[j - 1])
 
     @property
     def slope_ms_per_token(self) -> float:
@@ -93,6 +120,7 @@ class StepCostModel:
         return {
             "sizes": self.sizes,
             "times_ms": self.times_ms,
+            "level_ms": self.level_ms,
             "observations": self.observations,
         }
 
