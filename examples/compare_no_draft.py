@@ -6,6 +6,10 @@ rounds (`adaflash_vllm.bench.paired`: the same batch to each, alternating order)
 Run (about 6 minutes on 2 cores):
     taskset -c 0 python examples/compare_no_draft.py --concurrency 32 --rounds 20
 
+`--staggered` draws each prompt's output length (seeded), so that requests end at
+different steps and new prompts start while others decode, as they do when served;
+without it every batch starts and ends together.
+
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent / "demo"
@@ -74,6 +79,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument(
+        "--staggered",
+        action="store_true",
+        help="output lengths drawn per prompt from [max_tokens / 3, 5 max_tokens / "
+        "3] (seeded): requests end at different steps and new ones start while "
+        "others decode, as under served traffic",
+    )
+    p.add_argument(
         "--configs",
         default="no_draft",
         help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip|z2] "
@@ -110,6 +122,13 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm, _ in engines.values():  # warm-up
         llm.generate(prompts[:8], params, use_tqdm=False)
+    if args.staggered:
+        rng = random.Random(0)
+        lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
+        lengths = [rng.randint(lo, hi) for _ in prompts]
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+        for each in params:
+            each.ignore_eos = True
 
     def show(i: int, last: dict) -> None:
         cells = "  ".join(

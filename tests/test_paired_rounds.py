@@ -46,6 +46,19 @@ def test_rounds_alternate_order_and_cycle_prompts():
     assert len(seen) == 3 and set(seen[0]) == {"a", "b"}
 
 
+def test_per_prompt_params_follow_their_prompts():
+    served: list[tuple] = []
+
+    class _Recorder(_Counter):
+        def generate(self, prompts, params, use_tqdm=False):
+            served.append((tuple(prompts), tuple(params)))
+            return super().generate(prompts, params)
+
+    engines = {"a": (_Recorder("a", [], 1), set())}
+    alternating_rounds(engines, ["p0", "p1", "p2"], ["s0", "s1", "s2"], 2, 2)
+    assert served == [(("p0", "p1"), ("s0", "s1")), (("p2", "p0"), ("s2", "s0"))]
+
+
 def test_paired_ratios_are_per_round():
     rows = {
         "base": [Round(100.0, 2.0, 1), Round(50.0, 4.0, 1)],

@@ -89,14 +89,18 @@ def alternating_rounds(
     on_round: Callable[[int, dict[str, Round]], None] | None = None,
 ) -> dict[str, list[Round]]:
     """Serve `rounds` batches of `per_round` prompts (cycling through `prompts`)
-    to every engine; the order of the engines reverses every round."""
+    to every engine; the order of the engines reverses every round. `params` is
+    one SamplingParams or a list with one per prompt (cycled alike)."""
     rows: dict[str, list[Round]] = {name: [] for name in engines}
     for i in range(rounds):
-        batch = [prompts[(i * per_round + j) % len(prompts)] for j in range(per_round)]
+        picks = [(i * per_round + j) % len(prompts) for j in range(per_round)]
+        batch = [prompts[k] for k in picks]
+        each = isinstance(params, list)
+        batch_params = [params[k] for k in picks] if each else params
         order = list(engines) if i % 2 == 0 else list(reversed(engines))
         for name in order:
             llm, pids = engines[name]
-            rows[name].append(serve_round(llm, pids, batch, params))
+            rows[name].append(serve_round(llm, pids, batch, batch_params))
         if on_round is not None:
             on_round(i, {name: r[-1] for name, r in rows.items()})
     return rows
