@@ -15,6 +15,7 @@ import cProfile
 import json
 import os
 import pstats
+import random
 import time
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--save", help="also write the raw cProfile stats to this file")
+    p.add_argument(
+        "--staggered",
+        action="store_true",
+        help="output lengths drawn per prompt from [max_tokens / 3, 5 max_tokens / "
+        "3] (seeded, as compare_no_draft.py --staggered): new requests start "
+        "while others decode",
+    )
     args = p.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # profile the engine in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -88,6 +96,15 @@ def main() -> None:
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[: args.concurrency], params, use_tqdm=False)  # warm-up
+    if args.staggered:
+        rng = random.Random(0)
+        lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
+        params = [
+            SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi))
+            for _ in prompts
+        ]
+        for each in params:
+            each.ignore_eos = True
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

@@ -27,16 +27,17 @@ drafter knows less) that leaves it within `decisive_margin` of skipping's last
 measured rate starts an exploration at once instead of waiting out the backoff.
 Exploring skips costs a few slow rounds, so it is only done when the cost model's
 own estimate (expected tokens per ms from the budgets and the step-cost curve) does
-not already favour drafting by `sure_margin`; a batch that shrank by a quarter since
-the last switch explores drafting at once. A switch needs the other mode to win by
-more than `switch_z` standard errors of the two rates (from the spread of their
-per-round rates): at low load drafting's rounds emit anywhere from 1 to K + 1
-tokens, and without this its EMA dipping below skipping's steady rate by chance
-switched the gate off for a third of the steps at one request. A switch to skipping
-must also beat drafting's long-run rate (`draft_rate_slow`, an EMA in which a round
-of B requests weighs as B one-request rounds would, restarted when the batch moves
-by a quarter): a run of rejected rounds is common in text the drafter serves well,
-and skipping such runs at one request still cost 6%. While skipping, checks of
+not already favour drafting by `sure_margin`, and a switch to drafting needs that
+estimate not to favour skipping by `sure_margin` either; a batch that shrank by a
+quarter since the last switch explores drafting at once. A switch needs the other
+mode to win by more than `switch_z` standard errors of the two rates (from the
+spread of their per-round rates): at low load drafting's rounds emit anywhere from 1
+to K + 1 tokens, and without this its EMA dipping below skipping's steady rate by
+chance switched the gate off for a third of the steps at one request. A switch to
+skipping must also beat drafting's long-run rate (`draft_rate_slow`, an EMA in which
+a round of B requests weighs as B one-request rounds would, restarted when the batch
+moves by a quarter): a run of rejected rounds is common in text the drafter serves
+well, and skipping such runs at one request still cost 6%. While skipping, checks of
 drafting back off only to `skip_interval_per_request` steps per request in the
 batch: with few requests drafting's rate follows their text, and a stretch of easy
 text missed costs several times what a check during a hard one does.
@@ -202,7 +203,14 @@ class DraftGate:
                 slow = self.draft_rate_slow.ratio()
                 best = not (s > d + noise and (slow is None or s > slow))
             else:
-                best = d > s + noise
+                # Nor a switch to drafting that the cost model's estimate says
+                # loses by `sure_margin` (under load a few exploration rounds on
+                # easy text, or with fewer prompts in them, measured drafting
+                # ahead while its estimate stood at 0.4-0.6 of plain decoding).
+                model = self.model_ratio
+                best = d > s + noise and (
+                    model is None or model * self.sure_margin >= 1
+                )
             grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
         if best == self.drafting:
             self.interval = min(grow * self.interval, self.max_interval)

@@ -282,3 +282,14 @@ def test_a_quick_return_to_drafting_starts_its_checks_over():
     gate.step += 4
     _settle_with(gate, draft=1.1, skip=1.0)
     assert gate.drafting and gate.interval == 8
+
+
+@pytest.mark.parametrize("model_ratio, switches", [(0.4, False), (0.8, True)])
+def test_switch_to_drafting_needs_the_cost_model_not_against_it(model_ratio, switches):
+    """Skipping; an exploration measures drafting ahead. The switch happens unless
+    the cost model's estimate says drafting delivers under 1 / sure_margin of plain
+    decoding's rate (under load a few lucky rounds did that)."""
+    gate = DraftGate(drafting=False, interval=16, switch_batch=32, sure_margin=2.0)
+    gate.model_ratio = model_ratio
+    _settle_with(gate, draft=1.2, skip=1.0)
+    assert gate.drafting == switches
