@@ -206,7 +206,7 @@ class DraftGate:
                 # Nor a switch to drafting that the cost model's estimate says
                 # loses by `sure_margin` (under load a few exploration rounds on
                 # easy text, or with fewer prompts in them, measured drafting
-                # ahead while its estimate stood at 0.4-0.6 of plain decoding).
+                # ahead; at 16 requests the estimate stood at 0.42 of plain).
                 model = self.model_ratio
                 best = d > s + noise and (
                     model is None or model * self.sure_margin >= 1
