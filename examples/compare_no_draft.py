@@ -60,10 +60,12 @@ def _spec(config: str) -> dict | None:
     return spec
 
 
-def _engine(config: str, concurrency: int):
+def _engine(config: str, concurrency: int, log_stats: bool = False):
     from adaflash_vllm.bench.paired import offline_engine
 
-    llm = offline_engine(str(DEMO / "target"), _spec(config), concurrency)
+    llm = offline_engine(
+        str(DEMO / "target"), _spec(config), concurrency, log_stats=log_stats
+    )
     if config == "no_draft":
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     settings = _GATE_SETTINGS.get(config.partition(":")[2])
@@ -78,6 +80,11 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64, help="per round")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument(
+        "--log-stats",
+        action="store_true",
+        help="vLLM's per-step stats on in every engine, as `vllm serve` runs",
+    )
     p.add_argument(
         "--staggered",
         action="store_true",
@@ -113,7 +120,8 @@ def main() -> None:
     )
 
     engines = {
-        c: start_engine(lambda c=c: _engine(c, args.concurrency)) for c in configs
+        c: start_engine(lambda c=c: _engine(c, args.concurrency, args.log_stats))
+        for c in configs
     }
     prompts = chat_prompts(
         engines["plain"][0].get_tokenizer(),

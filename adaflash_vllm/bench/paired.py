@@ -31,9 +31,12 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def offline_engine(target: str, spec: dict | None, concurrency: int):
+def offline_engine(
+    target: str, spec: dict | None, concurrency: int, *, log_stats: bool = False
+):
     """The offline engine the paired comparisons serve (eager, float32, 1024
-    tokens per sequence, `concurrency` requests at a time)."""
+    tokens per sequence, `concurrency` requests at a time). `log_stats`: vLLM's
+    per-step stats on, as `vllm serve` has them (LLM turns them off)."""
     from vllm import LLM
 
     return LLM(
@@ -43,6 +46,7 @@ def offline_engine(target: str, spec: dict | None, concurrency: int):
         max_model_len=1024,
         dtype="float32",
         speculative_config=spec,
+        disable_log_stats=not log_stats,
     )
 
 
