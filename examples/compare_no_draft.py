@@ -18,8 +18,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 with the `adaflash_debug_gate` RPC).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
-of the per-round ratios with 95% intervals), for AdaFlash ones also to `dflash`
-when that ran, and one JSON line.
+of the per-round ratios with 95% intervals), for AdaFlash ones also to `dflash`,
+`no_draft` and `adaflash:noskip` when those ran, and one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent / "demo"
@@ -116,6 +115,7 @@ def main() -> None:
     from adaflash_vllm.bench.paired import (
         alternating_rounds,
         paired_ratios,
+        staggered_params,
         start_engine,
     )
 
@@ -131,12 +131,7 @@ def main() -> None:
     for llm, _ in engines.values():  # warm-up
         llm.generate(prompts[:8], params, use_tqdm=False)
     if args.staggered:
-        rng = random.Random(0)
-        lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
-        lengths = [rng.randint(lo, hi) for _ in prompts]
-        params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
-        for each in params:
-            each.ignore_eos = True
+        params = staggered_params(len(prompts), args.max_tokens)
 
     def show(i: int, last: dict) -> None:
         cells = "  ".join(
@@ -150,10 +145,13 @@ def main() -> None:
     )
     summary = {"concurrency": args.concurrency, "vs_plain": {}}
     # Each configuration against plain; AdaFlash ones also against stock DFlash
-    # K = 7 when it ran.
+    # K = 7, the floor (no_draft) and AdaFlash without the gate, when those ran.
     pairs = [(c, "plain") for c in configs[1:]]
-    if "dflash" in configs:
-        pairs += [(c, "dflash") for c in configs if c.startswith("adaflash")]
+    for base in ("dflash", "no_draft", "adaflash:noskip"):
+        if base in configs:
+            pairs += [
+                (c, base) for c in configs if c.startswith("adaflash") and c != base
+            ]
     for c, base in pairs:
         r = paired_ratios(rows, c, base)
         summary.setdefault(f"vs_{base}", {})[c] = r

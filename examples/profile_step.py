@@ -15,7 +15,6 @@ import cProfile
 import json
 import os
 import pstats
-import random
 import time
 from pathlib import Path
 
@@ -97,14 +96,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[: args.concurrency], params, use_tqdm=False)  # warm-up
     if args.staggered:
-        rng = random.Random(0)
-        lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
-        params = [
-            SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi))
-            for _ in prompts
-        ]
-        for each in params:
-            each.ignore_eos = True
+        from adaflash_vllm.bench.paired import staggered_params
+
+        params = staggered_params(len(prompts), args.max_tokens)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

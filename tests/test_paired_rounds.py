@@ -86,3 +86,13 @@ def test_cpu_seconds_counts_this_process():
         x += i
     assert cpu_seconds({os.getpid()}) > before
     assert cpu_seconds({2**22 + 12345}) == 0.0  # a process that does not exist
+
+
+def test_staggered_params_are_seeded_greedy_and_within_bounds():
+    from adaflash_vllm.bench.paired import staggered_params
+
+    params = staggered_params(200, 96)
+    lengths = [p.max_tokens for p in params]
+    assert lengths == [p.max_tokens for p in staggered_params(200, 96)]
+    assert 32 <= min(lengths) < max(lengths) <= 160 and len(set(lengths)) > 50
+    assert all(p.temperature == 0 and p.ignore_eos for p in params)

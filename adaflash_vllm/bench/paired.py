@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +49,20 @@ def offline_engine(
         speculative_config=spec,
         disable_log_stats=not log_stats,
     )
+
+
+def staggered_params(num: int, max_tokens: int, seed: int = 0) -> list:
+    """`num` greedy SamplingParams (ignore_eos) with output lengths drawn from
+    [max_tokens / 3, 5 max_tokens / 3] (seeded): the requests of a round end at
+    different steps and new ones start while others decode, as when served."""
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    lo, hi = max(max_tokens // 3, 1), 5 * max_tokens // 3
+    return [
+        SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True)
+        for _ in range(num)
+    ]
 
 
 def start_engine(build: Callable[[], object]) -> tuple[object, set[int]]:
