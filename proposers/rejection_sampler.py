@@ -64,9 +64,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
         )
 
     def _record_bonus_only(self, num_reqs: int, output: SamplerOutput) -> None:
-        if self._counts is None:
-            k_max = output.sampled_token_ids.shape[1] - 1
-            self._grow(max(k_max, 1), output.sampled_token_ids.device)
+        if self._counts is None:  # the first drafting step grows it to K
+            self._grow(1, output.sampled_token_ids.device)
         self._counts["verify_hist"][0] += num_reqs
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
