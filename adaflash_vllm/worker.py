@@ -121,11 +121,7 @@ class AdaFlashWorkerExtension:
         `switch_z` or `max_interval`) on the running gate; returns its state.
         Unknown fields are refused (nothing is set)."""
         gate = self.model_runner.drafter.draft_gate
-        if gate is None:
+        if not hasattr(gate, "configure"):
             raise ValueError("no draft gate runs (cost_aware with skip_drafting)")
-        unknown = sorted(set(settings) - set(gate.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown draft gate fields {unknown}")
-        for name, value in settings.items():
-            setattr(gate, name, type(getattr(gate, name))(value))
+        gate.configure(settings)
         return gate.to_dict()

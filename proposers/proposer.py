@@ -30,7 +30,7 @@ from adaflash_vllm.proposers.cost_model import (
     profile_sizes,
     profile_step_costs,
 )
-from adaflash_vllm.proposers.draft_gate import DraftGate
+from adaflash_vllm.proposers.draft_gate import BatchSizeGates
 from adaflash_vllm.proposers.length_head import CONFIDENCE_FEATURES, draft_confidence
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from typing_extensions import override
@@ -138,7 +138,7 @@ class AdaFlashProposer(DFlashProposer):
         self.budget_policy: BudgetPolicy | None = None  # built in load_model
         self.cost_model: StepCostModel | None = None
         self.cost_profile_error: str | None = None
-        self.draft_gate: DraftGate | None = None  # built in load_model
+        self.draft_gate: BatchSizeGates | None = None  # built in load_model
         self.block_length: BlockLength | None = None  # built in load_model
         self._last_propose: _Propose | None = None
         self._accepted_total = 0  # the rejection sampler's count at the last step
@@ -223,7 +223,7 @@ class AdaFlashProposer(DFlashProposer):
             return None
         return head
 
-    def _make_draft_gate(self, tp_size: int) -> DraftGate | None:
+    def _make_draft_gate(self, tp_size: int) -> BatchSizeGates | None:
         length = self.adaflash.length
         if length.mode != "cost_aware" or not length.skip_drafting:
             return None
@@ -242,7 +242,7 @@ class AdaFlashProposer(DFlashProposer):
                 f"AdaFlash skip_drafting needs the DFlash model's {missing}, which "
                 f"this vLLM does not have; set adaflash.length.skip_drafting to false"
             )
-        return DraftGate()
+        return BatchSizeGates()
 
     def apply_swap(self, order) -> dict:
         """Swap in the drafter version the scheduler ordered (between steps)."""
@@ -300,9 +300,8 @@ class AdaFlashProposer(DFlashProposer):
         gate = self.draft_gate
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
-            following = getattr(gate, "drafting", None)
             draft = gate.should_draft(num_reqs)
-            if following is not None and gate.drafting != following:
+            if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
             if not draft:
                 return self._skip_drafting(req_ids, batch, started, last, **kwargs)
@@ -625,7 +624,7 @@ class AdaFlashProposer(DFlashProposer):
         return budgets
 
 
-def _log_switch(gate: DraftGate, num_reqs: int) -> None:
+def _log_switch(gate: BatchSizeGates, num_reqs: int) -> None:
     d, s = gate.draft_rate.ratio(), gate.skip_rate.ratio()
     logger.info(
         "AdaFlash draft gate: %s at %d requests (drafting rounds %s, skipped %s "

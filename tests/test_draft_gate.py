@@ -3,7 +3,12 @@
 import random
 
 import pytest
-from adaflash_vllm.proposers.draft_gate import DraftGate, ScriptedDraftGate
+from adaflash_vllm.proposers.draft_gate import (
+    BatchSizeGates,
+    DraftGate,
+    ScriptedDraftGate,
+    batch_bucket,
+)
 
 
 def _serve(gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0):
@@ -293,3 +298,94 @@ def test_switch_to_drafting_needs_the_cost_model_not_against_it(model_ratio, swi
     gate.model_ratio = model_ratio
     _settle_with(gate, draft=1.2, skip=1.0)
     assert gate.drafting == switches
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in range(1, 9)] == list(range(1, 9))
+    assert [batch_bucket(n) for n in (9, 10, 11, 16, 17, 20)] == [
+        10,
+        10,
+        12,
+        16,
+        20,
+        20,
+    ]
+    # a batch at or just below a round concurrency stays in one bucket
+    assert {batch_bucket(n) for n in (29, 30, 31, 32)} == {32}
+    assert batch_bucket(33) == 40 and batch_bucket(64) == 64 and batch_bucket(65) == 80
+    sizes = range(1, 2049)
+    buckets = [batch_bucket(n) for n in sizes]
+    assert buckets == sorted(buckets) and all(
+        b >= n for b, n in zip(buckets, sizes, strict=True)
+    )
+    for b in set(buckets):  # every bucket spans at most a quarter of its top size
+        low = min(n for n, k in zip(sizes, buckets, strict=True) if k == b)
+        assert 4 * low >= 3 * b
+
+
+def _bursts(gate, phases):
+    """Served-like load: phases of (steps, batch size). At 32 requests skipped
+    rounds deliver 1.0 tokens/ms and drafting ones 0.6; at 4 requests skipped
+    rounds 0.2 and drafting ones 0.5. Every round takes 50 ms. Returns the steps
+    that drafted per size, and the tokens delivered."""
+    rates = {(32, True): 0.6, (32, False): 1.0, (4, True): 0.5, (4, False): 0.2}
+    drafted, tokens = {32: 0, 4: 0}, 0.0
+    last = None
+    for steps, b in phases:
+        for _ in range(steps):
+            if last is not None:
+                gate.record_round(drafted=last[1], tokens=rates[last] * 50.0, ms=50.0)
+            draft = gate.should_draft(b)
+            if draft:  # the cost model's estimate, neutral
+                getattr(gate, "current", gate).model_ratio = 1.0
+            drafted[b] += draft
+            tokens += rates[(b, draft)] * 50.0
+            last = (b, draft)
+    return drafted, tokens
+
+
+def test_per_bucket_gates_remember_each_batch_size():
+    """Bursts at 32 requests with tails at 4: one gate's rates mix the two sizes
+    (tokens per ms scale with the batch), so in the tails it compares drafting at 4
+    with skipping at 32 and skips; per-bucket gates keep what each size taught
+    them."""
+    phases = [(300, 32), (60, 4)] * 6
+    single, single_tokens = _bursts(DraftGate(), phases)
+    gates = BatchSizeGates()
+    buckets, tokens = _bursts(gates, phases)
+    assert single[4] < 0.2 * 6 * 60  # the single gate: tails mostly skipped
+    assert buckets[4] >= 0.9 * 6 * 60  # per bucket: drafting nearly throughout
+    assert buckets[32] <= 6 * 3 * 4  # at 32: explorations only, a few per burst
+    assert tokens > 1.05 * single_tokens
+    assert sorted(gates.gates) == [4, 32]
+    assert not gates.gates[32].drafting and gates.gates[4].drafting
+
+
+def test_rounds_go_to_the_bucket_that_decided_them():
+    gates = BatchSizeGates()
+    gates.should_draft(32)
+    gates.record_round(drafted=True, tokens=30.0, ms=50.0)  # 32's round
+    gates.should_draft(4)
+    gates.record_round(drafted=True, tokens=4.0, ms=20.0)  # 4's round
+    assert gates.gates[32].draft_rate.ratio() == pytest.approx(0.6)
+    assert gates.gates[4].draft_rate.ratio() == pytest.approx(0.2)
+    assert gates.drafted_steps == 2 and gates.to_dict()["buckets"][4]["drafting"]
+
+
+def test_new_bucket_starts_in_the_mode_of_the_last_one():
+    gates = BatchSizeGates()
+    gates.should_draft(32)
+    gates.gates[32].drafting = False
+    gates.should_draft(24)
+    assert not gates.gates[24].drafting
+
+
+def test_configure_sets_every_bucket_and_refuses_unknown_fields():
+    gates = BatchSizeGates()
+    gates.should_draft(32)
+    gates.configure({"switch_z": 2.0})
+    gates.should_draft(4)
+    assert gates.gates[32].switch_z == 2.0 and gates.gates[4].switch_z == 2.0
+    with pytest.raises(ValueError, match="no_such_field"):
+        gates.configure({"switch_z": 3.0, "no_such_field": 1})
+    assert gates.gates[32].switch_z == 2.0
