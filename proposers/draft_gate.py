@@ -13,7 +13,8 @@ verifying its drafts) is timed and credited with the tokens it emitted (requests
 accepted drafts), and an EMA of tokens per ms is kept for drafting rounds and for
 skipped ones. The gate follows the better mode and explores the other for
 `explore_steps` rounds every `interval` rounds; an exploration that confirms the
-current mode doubles the interval (up to `max_interval`), one that flips it resets
+current mode doubles the interval (up to `max_interval`, `skip_max_interval` while
+skipping), one that flips it resets
 the interval. A switch to drafting that is undone sooner than skipping would have
 checked again was noise: skipping resumes its backoff (without this, under load a
 lucky exploration of drafting now and then kept the checks of a losing mode every
@@ -55,6 +56,9 @@ from adaflash_vllm.proposers.ratio_ema import RatioEMA
 class DraftGate:
     min_interval: int = 8
     max_interval: int = 128
+    # while skipping (at most `skip_interval_per_request` x B as well): under load a
+    # check of drafting is 3-4 rounds at 3x a plain step's time
+    skip_max_interval: int = 512
     explore_steps: int = 3
     sure_margin: float = 2.0  # model says drafting wins by this much: never skip
     decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
@@ -213,8 +217,9 @@ class DraftGate:
                     model is None or model * self.sure_margin >= 1
                 )
             grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
+        cap = self.max_interval if best else self.skip_max_interval
         if best == self.drafting:
-            self.interval = min(grow * self.interval, self.max_interval)
+            self.interval = min(grow * self.interval, cap)
         elif (
             not best
             and self.left_interval
@@ -224,12 +229,12 @@ class DraftGate:
             # switch to drafting was noise, and this confirms skipping, whose
             # backoff resumes instead of starting over.
             self.drafting, self.switched_at = best, self.step
-            self.interval = min(grow * self.left_interval, self.max_interval)
+            self.interval = min(grow * self.left_interval, cap)
             self.left_interval = 0
         else:
             self.drafting, self.switched_at = best, self.step
             self.left_interval = self.interval
-            self.interval = min(grow // 2 * self.min_interval, self.max_interval)
+            self.interval = min(grow // 2 * self.min_interval, cap)
         if not self.drafting:
             # Few requests: drafting's rate follows their text, which turns easy
             # again within a few rounds, and missing that costs far more (3-4x
@@ -299,6 +304,7 @@ class BatchSizeGates:
     """
 
     template: DraftGate = field(default_factory=DraftGate)  # fresh buckets' settings
+    per_batch_size: bool = True  # False: one gate for every batch (experiments)
     gates: dict[int, DraftGate] = field(default_factory=dict)
     current: DraftGate | None = None  # the bucket of the last should_draft
     last_skip: DraftGate | None = None  # the bucket of the last skipped step
@@ -307,7 +313,7 @@ class BatchSizeGates:
     skipped_steps: int = 0
 
     def should_draft(self, num_reqs: int) -> bool:
-        bucket = batch_bucket(num_reqs)
+        bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
         gate = self.gates.get(bucket)
         if gate is None:
             gate = self.gates[bucket] = copy.deepcopy(self.template)
@@ -339,10 +345,17 @@ class BatchSizeGates:
             self.last_skip.charge_skipped(ms, steps)
 
     def configure(self, settings: dict[str, float]) -> None:
-        """Set `DraftGate` fields on every bucket and on buckets to come."""
+        """Set `DraftGate` fields on every bucket and on buckets to come
+        (`per_batch_size` is this class's own: 0 keeps one gate for all batches)."""
+        settings = dict(settings)
+        if "per_batch_size" in settings:
+            per_batch_size = bool(settings.pop("per_batch_size"))
+        else:
+            per_batch_size = self.per_batch_size
         unknown = sorted(set(settings) - set(DraftGate.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown draft gate fields {unknown}")
+        self.per_batch_size = per_batch_size
         for gate in (self.template, *self.gates.values()):
             for name, value in settings.items():
                 setattr(gate, name, type(getattr(gate, name))(value))

@@ -67,7 +67,9 @@ def test_decisive_results_back_off_faster(drafting_wins):
 
 
 def test_follows_a_change_in_traffic():
-    gate = DraftGate(min_interval=8, max_interval=32, explore_steps=3)
+    gate = DraftGate(
+        min_interval=8, max_interval=32, skip_max_interval=32, explore_steps=3
+    )
     _serve(gate, 150, draft_rate=1.0, skip_rate=1.5)
     assert not gate.drafting
     _serve(gate, 150, draft_rate=3.0, skip_rate=1.5)  # e.g. the drafter adapted
@@ -237,9 +239,16 @@ def test_short_hard_stretches_keep_drafting_at_low_load():
 
 
 def test_skipping_under_load_still_backs_off_fully():
+    """Under load a check of drafting costs 3-4 slow rounds: skipping backs off to
+    `skip_max_interval` (512; 16 steps per request allow it at 32 requests), past
+    drafting's own `max_interval` (128)."""
     gate = DraftGate(min_interval=8, max_interval=128)
-    _serve(gate, 1000, draft_rate=1.0, skip_rate=1.5, b=32)
-    assert not gate.drafting and gate.interval == 128
+    modes = _serve(gate, 2000, draft_rate=1.0, skip_rate=1.5, b=32)
+    assert not gate.drafting and gate.interval == 512
+    assert modes[1000:].count(True) <= 2 * 4  # one check per 512 steps at most
+    few = DraftGate(min_interval=8, max_interval=128)
+    _serve(few, 2000, draft_rate=1.0, skip_rate=1.5, b=4)
+    assert not few.drafting and few.interval == 16 * 4  # the per-request cap
 
 
 def _settle_with(gate, *, draft, skip):
@@ -256,7 +265,12 @@ def test_a_switch_undone_soon_resumes_the_backoff_of_the_mode_it_left():
     the next check of skipping reverses it: skipping keeps its long interval
     instead of checking drafting every 8-16 steps again."""
     gate = DraftGate(
-        min_interval=8, max_interval=128, drafting=False, interval=128, switch_batch=32
+        min_interval=8,
+        max_interval=128,
+        skip_max_interval=128,
+        drafting=False,
+        interval=128,
+        switch_batch=32,
     )
     _settle_with(gate, draft=1.1, skip=1.0)  # the lucky exploration
     assert gate.drafting and gate.interval == 8
@@ -387,5 +401,9 @@ def test_configure_sets_every_bucket_and_refuses_unknown_fields():
     gates.should_draft(4)
     assert gates.gates[32].switch_z == 2.0 and gates.gates[4].switch_z == 2.0
     with pytest.raises(ValueError, match="no_such_field"):
-        gates.configure({"switch_z": 3.0, "no_such_field": 1})
-    assert gates.gates[32].switch_z == 2.0
+        gates.configure({"switch_z": 3.0, "no_such_field": 1, "per_batch_size": 0})
+    assert gates.gates[32].switch_z == 2.0 and gates.per_batch_size
+    gates.configure({"per_batch_size": 0})  # one gate for every batch size
+    gates.should_draft(8)
+    gates.should_draft(64)
+    assert sorted(gates.gates) == [0, 4, 32]

@@ -49,3 +49,23 @@ def test_bundled_code_stream_has_no_repeats(tokenizer):
     phase = load_phase("code+mbpp_more", tokenizer, count=900)
     assert phase.name == "code+mbpp_more"
     assert len(phase.prompts) == 900 and phase.repeated == 0
+
+
+def test_level_batch_requests_per_slot():
+    from adaflash_vllm.bench.online import level_batch
+
+    prompts = [f"p{i}" for i in range(5)]
+    assert len(level_batch(prompts, 1)) == 8  # at least 8
+    assert len(level_batch(prompts, 16)) == 32  # two per slot by default
+    assert len(level_batch(prompts, 16, 8)) == 128
+    assert level_batch(prompts, 4, 3)[:6] == ["p0", "p1", "p2", "p3", "p4", "p0"]
+
+
+def test_requests_per_slot_out_of_range_is_refused():
+    import argparse
+
+    from adaflash_vllm.bench.cli import build_workload
+
+    args = argparse.Namespace(requests_per_slot=0, workload="sweep", max_tokens=8)
+    with pytest.raises(AdaFlashConfigError, match="requests-per-slot"):
+        build_workload(args, tokenizer=None)

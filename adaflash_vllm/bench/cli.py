@@ -19,6 +19,7 @@ from pathlib import Path
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import MAX_MODEL_LEN, rebuild_report, run_benchmark
 from adaflash_vllm.bench.workloads import Workload, load_phase, parse_phase
+from adaflash_vllm.errors import AdaFlashConfigError
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
@@ -59,6 +60,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--concurrency", default="1,4,16,32,64", help="sweep levels")
     p.add_argument("--num-prompts", type=int, default=64, help="sweep prompt pool")
+    p.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=None,
+        help="sweep: requests per concurrency slot at each level (default 2 "
+        "served, at least 8 requests; 4 offline); more amortise each pass's drain",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="sweep repeats (median)")
@@ -75,6 +83,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
+    if args.requests_per_slot is not None and args.requests_per_slot < 1:
+        raise AdaFlashConfigError(
+            f"--requests-per-slot must be >= 1, got {args.requests_per_slot}"
+        )
     fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
         specs = [parse_phase(n, args.per_phase) for n in args.phases.split(",") if n]
@@ -100,6 +112,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
         concurrencies=levels,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        requests_per_slot=args.requests_per_slot,
     )
 
 

@@ -265,7 +265,7 @@ def run_sweep_interleaved(
         live = [c.name for c in configs if c.name in servers]
         prompts = wl["phases"][0]["prompts"]
         for level in wl["concurrencies"]:
-            batch = level_batch(prompts, level)
+            batch = level_batch(prompts, level, wl.get("requests_per_slot"))
             for name in live:
                 warm_up(servers[name], setup.target, batch, level)
             runs: dict[str, list[float]] = {name: [] for name in live}

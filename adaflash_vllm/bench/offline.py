@@ -188,8 +188,9 @@ def window_line(key: int, phase: str, tok_s: float, summary: dict, extra: dict) 
 def run_sweep_offline(
     llm, workload: dict, result: dict, save, progress, repeats: int
 ) -> None:
-    """Offline sweep: for each C, submit C*4 requests with max_num_seqs fixed at the
-    engine's value (use `adaflash bench --driver serve` for client concurrency)."""
+    """Offline sweep: for each C, submit C * 4 requests (`requests_per_slot`) with
+    max_num_seqs fixed at the engine's value (use `adaflash bench --driver serve`
+    for client concurrency)."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -199,8 +200,10 @@ def run_sweep_offline(
         seed=0,
     )
     prompts = workload["phases"][0]["prompts"]
+    per_slot = workload.get("requests_per_slot") or 4
     for c in workload["concurrencies"]:
-        batch = (prompts * (4 * c // max(1, len(prompts)) + 1))[: 4 * c]
+        n = per_slot * c
+        batch = (prompts * (n // max(1, len(prompts)) + 1))[:n]
         runs, tokens, summary = [], 0, {}
         for _ in range(repeats):
             before = read_counters(llm)

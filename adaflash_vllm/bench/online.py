@@ -136,9 +136,10 @@ async def drive(
         return list(results), time.perf_counter() - t0
 
 
-def level_batch(prompts: list[str], c: int) -> list[str]:
-    """The requests sent at concurrency `c`: at least 8, else two per slot."""
-    n = max(8, 2 * c)
+def level_batch(prompts: list[str], c: int, per_slot: int | None = None) -> list[str]:
+    """The requests sent at concurrency `c`: at least 8, else `per_slot` (2) per
+    slot."""
+    n = max(8, (per_slot or 2) * c)
     return (prompts * (n // max(1, len(prompts)) + 1))[:n]
 
 

@@ -54,6 +54,10 @@ class Workload:
     concurrencies: tuple[int, ...] = (1, 4, 16, 32, 64)
     max_tokens: int = 128
     temperature: float = 0.0
+    # sweep: requests sent per concurrency slot at each level (None: 2 served, 4
+    # offline). More amortise the drain at the end of each pass, where the batch
+    # shrinks as the last requests finish; with drafts they finish apart.
+    requests_per_slot: int | None = None
 
     @property
     def name(self) -> str:

@@ -86,6 +86,7 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
         [load_phase(str(prompt_file), tokenizer, count=8)],
         concurrencies=(1, 4),
         max_tokens=12,
+        requests_per_slot=3,
     )
     bad = tmp_path / "bad-adaflash.json"
     bad.write_text(json.dumps({"adaflash": {"no_such_key": 1}}))
@@ -100,6 +101,8 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
         command="test",
     )
     _check_outputs(tmp_path, names, "sweep")
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert [p["requests"] for p in plain["points"]] == [8, 12]  # >= 8, 3 per slot
     assert summary["failed"] == ["bad"]
     assert json.loads((tmp_path / "bad.json").read_text())["status"] == "failed"
     assert (
