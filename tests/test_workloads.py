@@ -69,3 +69,17 @@ def test_requests_per_slot_out_of_range_is_refused():
     args = argparse.Namespace(requests_per_slot=0, workload="sweep", max_tokens=8)
     with pytest.raises(AdaFlashConfigError, match="requests-per-slot"):
         build_workload(args, tokenizer=None)
+
+
+def test_output_lengths_spread():
+    from adaflash_vllm.bench.workloads import output_lengths
+
+    assert output_lengths(3, 96) == [96, 96, 96]
+    spread = output_lengths(2000, 96, 0.5)
+    assert spread == output_lengths(2000, 96, 0.5)  # seeded: every config alike
+    assert min(spread) == 48 and max(spread) == 144
+    assert abs(sum(spread) / len(spread) - 96) < 2  # the same tokens on average
+    assert min(output_lengths(100, 2, 0.9)) >= 1
+    for bad in (-0.1, 1.0):
+        with pytest.raises(AdaFlashConfigError, match="spread"):
+            output_lengths(4, 96, bad)

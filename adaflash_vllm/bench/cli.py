@@ -67,6 +67,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="sweep: requests per concurrency slot at each level (default 2 "
         "served, at least 8 requests; 4 offline); more amortise each pass's drain",
     )
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="served sweep: draw each request's output length (seeded, the same "
+        "for every configuration) from max-tokens * [1 - S, 1 + S]; 0 = all "
+        "max-tokens",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="sweep repeats (median)")
@@ -86,6 +94,11 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
     if args.requests_per_slot is not None and args.requests_per_slot < 1:
         raise AdaFlashConfigError(
             f"--requests-per-slot must be >= 1, got {args.requests_per_slot}"
+        )
+    spread = getattr(args, "output_len_spread", 0.0)
+    if not 0.0 <= spread < 1.0:
+        raise AdaFlashConfigError(
+            f"--output-len-spread must be in [0, 1), got {spread}"
         )
     fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
@@ -113,6 +126,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         requests_per_slot=args.requests_per_slot,
+        output_len_spread=spread,
     )
 
 

@@ -24,6 +24,7 @@ from adaflash_vllm.bench.offline import (
     window_line,
 )
 from adaflash_vllm.bench.results import Point, add_point, median, percentile
+from adaflash_vllm.bench.workloads import output_lengths
 from adaflash_vllm.serve_process import ServeProcess, metric_sum, parse_prometheus
 
 _COUNTERS = {
@@ -105,17 +106,24 @@ async def drive(
     prompts: list[str],
     *,
     concurrency: int,
-    max_tokens: int,
+    max_tokens: int | list[int],
     temperature: float,
 ) -> tuple[list[dict], float]:
-    """Send `prompts` with at most `concurrency` in flight; (per-request, wall)."""
+    """Send `prompts` with at most `concurrency` in flight; (per-request, wall).
+    `max_tokens`: one for all, or one per prompt."""
     import aiohttp
+
+    lengths = (
+        list(max_tokens)
+        if isinstance(max_tokens, list)
+        else [max_tokens] * len(prompts)
+    )
 
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def run(prompt: str):
+        async def run(prompt: str, length: int):
             async with sem:
                 return await _one_request(
                     session,
@@ -123,7 +131,7 @@ async def drive(
                     {
                         "model": model,
                         "prompt": prompt,
-                        "max_tokens": max_tokens,
+                        "max_tokens": length,
                         "temperature": temperature,
                         "ignore_eos": True,
                         "stream": True,
@@ -132,7 +140,9 @@ async def drive(
                 )
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(run(p) for p in prompts))
+        results = await asyncio.gather(
+            *(run(p, n) for p, n in zip(prompts, lengths, strict=True))
+        )
         return list(results), time.perf_counter() - t0
 
 
@@ -168,7 +178,11 @@ def measure_level(
             model,
             batch,
             concurrency=c,
-            max_tokens=workload["max_tokens"],
+            max_tokens=output_lengths(
+                len(batch),
+                workload["max_tokens"],
+                workload.get("output_len_spread", 0.0),
+            ),
             temperature=workload["temperature"],
         )
     )

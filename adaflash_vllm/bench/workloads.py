@@ -58,6 +58,11 @@ class Workload:
     # offline). More amortise the drain at the end of each pass, where the batch
     # shrinks as the last requests finish; with drafts they finish apart.
     requests_per_slot: int | None = None
+    # served sweep: each request's output length drawn (seeded, the same for every
+    # configuration) from max_tokens * [1 - spread, 1 + spread]; 0: all max_tokens,
+    # and then a batch without drafts runs in lockstep (every request starts and
+    # ends at the same step), which no served traffic does
+    output_len_spread: float = 0.0
 
     @property
     def name(self) -> str:
@@ -124,3 +129,20 @@ def parse_phase(spec: str, default_count: int) -> tuple[str, int]:
     if not name or int(count) < 1:
         raise AdaFlashConfigError(f"phase {spec!r}: expected SET[:COUNT], COUNT >= 1")
     return name, int(count)
+
+
+def output_lengths(
+    num: int, max_tokens: int, spread: float = 0.0, seed: int = 0
+) -> list[int]:
+    """`num` output lengths: all `max_tokens`, or with `spread` in (0, 1) drawn
+    uniformly (seeded) from [max_tokens (1 - spread), max_tokens (1 + spread)]."""
+    if not 0.0 <= spread < 1.0:
+        raise AdaFlashConfigError(
+            f"output length spread must be in [0, 1), got {spread}"
+        )
+    if spread == 0.0:
+        return [max_tokens] * num
+    rng = random.Random(seed)
+    lo = max(1, round(max_tokens * (1.0 - spread)))
+    hi = max(lo, round(max_tokens * (1.0 + spread)))
+    return [rng.randint(lo, hi) for _ in range(num)]

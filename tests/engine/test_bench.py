@@ -9,7 +9,7 @@ import pytest
 from adaflash_vllm.bench.configs import BenchSetup, build_config
 from adaflash_vllm.bench.harness import rebuild_report, run_benchmark
 from adaflash_vllm.bench.results import SCHEMA
-from adaflash_vllm.bench.workloads import Workload, load_phase
+from adaflash_vllm.bench.workloads import Workload, load_phase, output_lengths
 from adaflash_vllm.errors import AdaFlashConfigError
 from adaflash_vllm.serve_process import ServeProcess, ServerStartError
 from tests.helpers import PROMPTS
@@ -87,6 +87,7 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
         concurrencies=(1, 4),
         max_tokens=12,
         requests_per_slot=3,
+        output_len_spread=0.5,  # 6 to 18 tokens per request
     )
     bad = tmp_path / "bad-adaflash.json"
     bad.write_text(json.dumps({"adaflash": {"no_such_key": 1}}))
@@ -103,6 +104,10 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     _check_outputs(tmp_path, names, "sweep")
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert [p["requests"] for p in plain["points"]] == [8, 12]  # >= 8, 3 per slot
+    # every request asked for its own length (ignore_eos: it gets exactly that)
+    assert [p["output_tokens"] for p in plain["points"]] == [
+        sum(output_lengths(n, 12, 0.5)) for n in (8, 12)
+    ]
     assert summary["failed"] == ["bad"]
     assert json.loads((tmp_path / "bad.json").read_text())["status"] == "failed"
     assert (

@@ -1,0 +1,180 @@
+"""Served paired passes: several `vllm serve` configurations of the demo models up
+at once (all pinned to the same core, idle while another is measured), each pass
+the same requests at a fixed client concurrency, configurations in a rotating
+order. Prints every pass's tok/s, the draft gate's skipped share and tau, then each
+configuration's per-pass ratios to plain (mean with a 95% interval) and one JSON
+line.
+
+Run (about 8 minutes on 2 cores for the default):
+    python examples/compare_served.py --configs plain,cost_aware,single \
+        --concurrency 32 --requests 256 --passes 3
+
+Configurations (K = 7, the demo drafter):
+    plain        no speculation
+    dflash       stock vLLM DFlash
+    noskip       AdaFlash `cost_aware` with `skip_drafting: false` (always drafts)
+    no_draft     AdaFlash that never drafts (every step writes the drafter's
+                 context K/V and verifies 0 drafts; `adaflash_debug_draft_every`)
+    cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
+    single       the same with one draft gate for every batch size
+                 (`adaflash_debug_gate` with `per_batch_size: 0`)
+
+The variants that need an RPC get it through `vllm serve`'s /collective_rpc
+(`VLLM_SERVER_DEV_MODE=1`, on every server here so that all run the same server).
+With `--requests` well above the concurrency the passes approach a steady load;
+with twice the concurrency (the sweep's default) each pass ends in a drain where
+the batch shrinks as the last requests finish. With one output length for all
+(`--length-spread 0`) a batch that never drafts runs in lockstep: every request
+starts and ends at the same step, and new prompts are prefilled together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parent / "demo"
+_RPC = {
+    "no_draft": ("adaflash_debug_draft_every", [10**9]),
+    "single": ("adaflash_debug_gate", [{"per_batch_size": 0}]),
+}
+
+
+def _spec(config: str) -> dict | None:
+    if config == "plain":
+        return None
+    spec = {
+        "method": "dflash",
+        "model": str(DEMO / "drafter"),
+        "num_speculative_tokens": 7,
+    }
+    if config == "dflash":
+        return spec
+    length = {"mode": "fixed" if config == "no_draft" else "cost_aware"}
+    if config == "noskip":
+        length["skip_drafting"] = False
+    return {**spec, "adaflash": {"length": length}}
+
+
+def _server(config: str, concurrency: int, out: Path, cores: str):
+    from adaflash_vllm.bench.harness import engine_env, pinned
+    from adaflash_vllm.serve_process import ServeProcess
+
+    args = [str(DEMO / "target"), "--dtype", "float32", "--max-model-len", "1024"]
+    args += ["--max-num-seqs", str(max(concurrency, 8)), "--seed", "0"]
+    args.append("--enforce-eager")
+    spec = _spec(config)
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec)]
+    env = engine_env(cores) | {"VLLM_SERVER_DEV_MODE": "1"}
+    server = ServeProcess(args, env=env, log_path=out / f"{config}.log")
+    server.args = pinned(server.args, cores)
+    server.start()
+    if config in _RPC:
+        method, rpc_args = _RPC[config]
+        body = json.dumps({"method": method, "args": rpc_args}).encode()
+        request = urllib.request.Request(
+            server.url + "/collective_rpc",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            r.read()
+    return server
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="plain,cost_aware,single")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=256, help="per pass")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.0,
+        help="output lengths drawn (seeded) from max-tokens * [1 - S, 1 + S]",
+    )
+    p.add_argument("--prompts", default="prose", help="prompt set (bench sets)")
+    p.add_argument("--cores", default="0", help="the servers' cores")
+    p.add_argument("--out", default="runs/compare-served")
+    args = p.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - {"plain", "dflash", "noskip", *_RPC, "cost_aware"})
+    if unknown or "plain" not in configs:
+        p.error(f"unknown configurations {unknown} (plain is required)")
+
+    from transformers import AutoTokenizer
+
+    from adaflash_vllm.bench.offline import counter_delta, gate_extra, spec_summary
+    from adaflash_vllm.bench.online import drive, scrape, warm_up
+    from adaflash_vllm.bench.paired import mean_ci
+    from adaflash_vllm.bench.workloads import load_phase, output_lengths
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = str(DEMO / "target")
+    prompts = load_phase(
+        args.prompts, AutoTokenizer.from_pretrained(target), count=args.requests
+    ).prompts
+    lengths = output_lengths(len(prompts), args.max_tokens, args.length_spread)
+    servers = {}
+    try:
+        for config in configs:
+            servers[config] = _server(config, args.concurrency, out, args.cores)
+        for server in servers.values():
+            warm_up(server, target, prompts, args.concurrency)
+        tok_s: dict[str, list[float]] = {c: [] for c in configs}
+        for i in range(args.passes):
+            shift = i % len(configs)
+            for config in configs[shift:] + configs[:shift]:
+                server = servers[config]
+                before = scrape(server)
+                reqs, wall = asyncio.run(
+                    drive(
+                        server.url,
+                        target,
+                        prompts,
+                        concurrency=args.concurrency,
+                        max_tokens=lengths,
+                        temperature=0.0,
+                    )
+                )
+                after = scrape(server)
+                failed = sum(not r.get("ok") for r in reqs)
+                rate = sum(r.get("tokens", 0) for r in reqs) / wall
+                tok_s[config].append(rate)
+                gate = gate_extra(before, after).get("gate_skipped_share")
+                tau = spec_summary(counter_delta(before, after))["tau"]
+                line = f"pass {i} {config:>10}: {rate:7.1f} tok/s tau {tau:.2f}"
+                if gate is not None:
+                    line += f" skipped {gate:.0%}"
+                if failed:
+                    line += f" FAILED {failed}"
+                print(line, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    summary = {
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "length_spread": args.length_spread,
+    }
+    for config in configs:
+        ratios = [a / b for a, b in zip(tok_s[config], tok_s["plain"], strict=True)]
+        mean, half = mean_ci(ratios)
+        summary[config] = {"tok_s": tok_s[config], "vs_plain": mean, "ci95": half}
+        each = " ".join(f"{r:.3f}" for r in ratios)
+        print(f"{config:>10} / plain: {mean:.3f} +- {half:.3f} (per pass {each})")
+    print(json.dumps(summary))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
