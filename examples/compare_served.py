@@ -31,7 +31,6 @@ starts and ends at the same step, and new prompts are prefilled together.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import urllib.request
@@ -111,10 +110,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from adaflash_vllm.bench.offline import counter_delta, gate_extra, spec_summary
-    from adaflash_vllm.bench.online import drive, scrape, warm_up
+    from adaflash_vllm.bench.online import measure_level, warm_up
     from adaflash_vllm.bench.paired import mean_ci
-    from adaflash_vllm.bench.workloads import load_phase, output_lengths
+    from adaflash_vllm.bench.workloads import load_phase
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +120,11 @@ def main() -> None:
     prompts = load_phase(
         args.prompts, AutoTokenizer.from_pretrained(target), count=args.requests
     ).prompts
-    lengths = output_lengths(len(prompts), args.max_tokens, args.length_spread)
+    workload = {  # what measure_level reads: output lengths drawn per request
+        "max_tokens": args.max_tokens,
+        "temperature": 0.0,
+        "output_len_spread": args.length_spread,
+    }
     servers = {}
     try:
         for config in configs:
@@ -133,25 +135,13 @@ def main() -> None:
         for i in range(args.passes):
             shift = i % len(configs)
             for config in configs[shift:] + configs[:shift]:
-                server = servers[config]
-                before = scrape(server)
-                reqs, wall = asyncio.run(
-                    drive(
-                        server.url,
-                        target,
-                        prompts,
-                        concurrency=args.concurrency,
-                        max_tokens=lengths,
-                        temperature=0.0,
-                    )
+                rate, reqs, spec, extra = measure_level(
+                    servers[config], target, prompts, args.concurrency, workload
                 )
-                after = scrape(server)
                 failed = sum(not r.get("ok") for r in reqs)
-                rate = sum(r.get("tokens", 0) for r in reqs) / wall
                 tok_s[config].append(rate)
-                gate = gate_extra(before, after).get("gate_skipped_share")
-                tau = spec_summary(counter_delta(before, after))["tau"]
-                line = f"pass {i} {config:>10}: {rate:7.1f} tok/s tau {tau:.2f}"
+                gate = extra.get("gate_skipped_share")
+                line = f"pass {i} {config:>10}: {rate:7.1f} tok/s tau {spec['tau']:.2f}"
                 if gate is not None:
                     line += f" skipped {gate:.0%}"
                 if failed:
@@ -168,9 +158,11 @@ def main() -> None:
     for config in configs:
         ratios = [a / b for a, b in zip(tok_s[config], tok_s["plain"], strict=True)]
         mean, half = mean_ci(ratios)
+        half = None if half != half else half  # one pass: no interval (not NaN)
         summary[config] = {"tok_s": tok_s[config], "vs_plain": mean, "ci95": half}
         each = " ".join(f"{r:.3f}" for r in ratios)
-        print(f"{config:>10} / plain: {mean:.3f} +- {half:.3f} (per pass {each})")
+        spread = "" if half is None else f" +- {half:.3f}"
+        print(f"{config:>10} / plain: {mean:.3f}{spread} (per pass {each})")
     print(json.dumps(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 

@@ -300,7 +300,7 @@ class BatchSizeGates:
     batch sizes do not compare: under served load the batch grows and drains all
     the time (a burst of arrivals, the tail of a burst). One gate compared drafting
     rounds at 31 requests with skipped rounds from a tail at 12 and kept drafting at
-    32 requests for over a hundred steps, where stock DFlash delivers 0.6-0.7x of
+    32 requests for long stretches, where stock DFlash delivers 0.6-0.7x of
     plain decoding. Per bucket, what a bucket learnt holds the next time the batch
     is back in it, and a tail needs no re-learning at 32 either. A bucket seen for
     the first time starts in the mode of the bucket before it.
