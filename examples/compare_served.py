@@ -37,41 +37,46 @@ import urllib.request
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent / "demo"
+_BENCH_NAME = {  # bench.configs names; plain and dflash are their own
+    "no_draft": "adaflash:fixed",  # drafting turned off over RPC
+    "noskip": "adaflash:cost_aware",  # skip_drafting turned off below
+    "cost_aware": "adaflash:cost_aware",
+    "single": "adaflash:cost_aware",  # one gate set over RPC
+}
 _RPC = {
     "no_draft": ("adaflash_debug_draft_every", [10**9]),
     "single": ("adaflash_debug_gate", [{"per_batch_size": 0}]),
 }
 
 
-def _spec(config: str) -> dict | None:
-    if config == "plain":
-        return None
-    spec = {
-        "method": "dflash",
-        "model": str(DEMO / "drafter"),
-        "num_speculative_tokens": 7,
-    }
-    if config == "dflash":
-        return spec
-    length = {"mode": "fixed" if config == "no_draft" else "cost_aware"}
+def _setup():
+    from adaflash_vllm.bench.configs import BenchSetup
+
+    return BenchSetup(str(DEMO / "target"), str(DEMO / "drafter"), 7)
+
+
+def _config(config: str):
+    """The bench configuration behind each name here (`bench.configs`)."""
+    from adaflash_vllm.bench.configs import BenchConfig, build_config
+
+    spec = build_config(_BENCH_NAME.get(config, config), _setup()).speculative_config
     if config == "noskip":
-        length["skip_drafting"] = False
-    return {**spec, "adaflash": {"length": length}}
+        spec["adaflash"]["length"]["skip_drafting"] = False
+    return BenchConfig(name=config, speculative_config=spec)
 
 
 def _server(config: str, concurrency: int, out: Path, cores: str):
-    from adaflash_vllm.bench.harness import engine_env, pinned
-    from adaflash_vllm.serve_process import ServeProcess
+    from adaflash_vllm.bench.harness import MAX_MODEL_LEN, config_server
 
-    args = [str(DEMO / "target"), "--dtype", "float32", "--max-model-len", "1024"]
-    args += ["--max-num-seqs", str(max(concurrency, 8)), "--seed", "0"]
-    args.append("--enforce-eager")
-    spec = _spec(config)
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
-    env = engine_env(cores) | {"VLLM_SERVER_DEV_MODE": "1"}
-    server = ServeProcess(args, env=env, log_path=out / f"{config}.log")
-    server.args = pinned(server.args, cores)
+    engine = {
+        "dtype": "float32",
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": max(concurrency, 8),
+        "enforce_eager": True,
+    }
+    log = out / f"{config}.log"
+    server = config_server(_config(config), _setup(), engine, cores, log)
+    server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc
     server.start()
     if config in _RPC:
         method, rpc_args = _RPC[config]
@@ -104,7 +109,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/compare-served")
     args = p.parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - {"plain", "dflash", "noskip", *_RPC, "cost_aware"})
+    unknown = sorted(set(configs) - {"plain", "dflash", *_BENCH_NAME})
     if unknown or "plain" not in configs:
         p.error(f"unknown configurations {unknown} (plain is required)")
 

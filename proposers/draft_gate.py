@@ -312,8 +312,6 @@ class BatchSizeGates:
     current: DraftGate | None = None  # the bucket of the last should_draft
     last_skip: DraftGate | None = None  # the bucket of the last skipped step
     switched: bool = False  # the last should_draft switched its bucket's mode
-    drafted_steps: int = 0
-    skipped_steps: int = 0
 
     def should_draft(self, num_reqs: int) -> bool:
         bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
@@ -328,8 +326,6 @@ class BatchSizeGates:
         self.switched = gate.drafting != following
         if not draft:
             self.last_skip = gate
-        self.drafted_steps += draft
-        self.skipped_steps += not draft
         return draft
 
     def record_round(self, *, drafted: bool, tokens: float, ms: float) -> None:
@@ -379,10 +375,6 @@ class BatchSizeGates:
         return self._now().context_ms
 
     @property
-    def model_ratio(self) -> float | None:
-        return self._now().model_ratio
-
-    @property
     def draft_rate(self) -> RatioEMA:
         return self._now().draft_rate
 
@@ -390,22 +382,20 @@ class BatchSizeGates:
     def skip_rate(self) -> RatioEMA:
         return self._now().skip_rate
 
+    @property
+    def drafted_steps(self) -> int:
+        return sum(g.drafted_steps for g in self.gates.values())
+
+    @property
+    def skipped_steps(self) -> int:
+        return sum(g.skipped_steps for g in self.gates.values())
+
     def to_dict(self) -> dict:
         return {
             **self._now().to_dict(),
             "drafted_steps": self.drafted_steps,
             "skipped_steps": self.skipped_steps,
-            "buckets": {
-                b: {
-                    "drafting": g.drafting,
-                    "interval": g.interval,
-                    "drafted_steps": g.drafted_steps,
-                    "skipped_steps": g.skipped_steps,
-                    "draft_tokens_per_ms": g.draft_rate.ratio(),
-                    "skip_tokens_per_ms": g.skip_rate.ratio(),
-                }
-                for b, g in sorted(self.gates.items())
-            },
+            "buckets": {b: g.to_dict() for b, g in sorted(self.gates.items())},
         }
 
 

@@ -69,6 +69,11 @@ def test_requests_per_slot_out_of_range_is_refused():
     args = argparse.Namespace(requests_per_slot=0, workload="sweep", max_tokens=8)
     with pytest.raises(AdaFlashConfigError, match="requests-per-slot"):
         build_workload(args, tokenizer=None)
+    args = argparse.Namespace(
+        requests_per_slot=None, output_len_spread=1.0, workload="sweep", max_tokens=8
+    )
+    with pytest.raises(AdaFlashConfigError, match="--output-len-spread"):
+        build_workload(args, tokenizer=None)
 
 
 def test_output_lengths_spread():

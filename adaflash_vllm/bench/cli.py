@@ -18,7 +18,12 @@ from pathlib import Path
 
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import MAX_MODEL_LEN, rebuild_report, run_benchmark
-from adaflash_vllm.bench.workloads import Workload, load_phase, parse_phase
+from adaflash_vllm.bench.workloads import (
+    Workload,
+    check_output_len_spread,
+    load_phase,
+    parse_phase,
+)
 from adaflash_vllm.errors import AdaFlashConfigError
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
@@ -95,11 +100,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
         raise AdaFlashConfigError(
             f"--requests-per-slot must be >= 1, got {args.requests_per_slot}"
         )
-    spread = getattr(args, "output_len_spread", 0.0)
-    if not 0.0 <= spread < 1.0:
-        raise AdaFlashConfigError(
-            f"--output-len-spread must be in [0, 1), got {spread}"
-        )
+    check_output_len_spread(args.output_len_spread)  # before any engine starts
     fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
         specs = [parse_phase(n, args.per_phase) for n in args.phases.split(",") if n]
@@ -126,7 +127,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         requests_per_slot=args.requests_per_slot,
-        output_len_spread=spread,
+        output_len_spread=args.output_len_spread,
     )
 
 

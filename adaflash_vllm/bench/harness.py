@@ -156,13 +156,14 @@ def _served_result(
     )
 
 
-def _server(
+def config_server(
     config: BenchConfig,
     setup: BenchSetup,
     engine: dict[str, Any],
     cores: str | None,
     log_path: Path,
 ):
+    """The (unstarted) `vllm serve` of one configuration, pinned to `cores`."""
     from adaflash_vllm.serve_process import ServeProcess
 
     args = [
@@ -202,7 +203,7 @@ def run_served_config(
     from adaflash_vllm.serve_process import ServerStartError
 
     result = _served_result(config, setup, workload, command)
-    server = _server(config, setup, engine, cores, out.with_suffix(".log"))
+    server = config_server(config, setup, engine, cores, out.with_suffix(".log"))
     try:
         server.start()
         run_shift_served(
@@ -253,7 +254,9 @@ def run_sweep_interleaved(
     servers = {}
     try:
         for c in configs:
-            server = _server(c, setup, engine, cores, outs[c.name].with_suffix(".log"))
+            server = config_server(
+                c, setup, engine, cores, outs[c.name].with_suffix(".log")
+            )
             try:
                 server.start()
                 servers[c.name] = server

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -57,11 +56,12 @@ def staggered_params(num: int, max_tokens: int, seed: int = 0) -> list:
     different steps and new ones start while others decode, as when served."""
     from vllm import SamplingParams
 
-    rng = random.Random(seed)
+    from adaflash_vllm.bench.workloads import seeded_lengths
+
     lo, hi = max(max_tokens // 3, 1), 5 * max_tokens // 3
     return [
-        SamplingParams(temperature=0, max_tokens=rng.randint(lo, hi), ignore_eos=True)
-        for _ in range(num)
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for n in seeded_lengths(num, lo, hi, seed)
     ]
 
 

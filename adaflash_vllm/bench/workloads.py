@@ -131,18 +131,28 @@ def parse_phase(spec: str, default_count: int) -> tuple[str, int]:
     return name, int(count)
 
 
+def check_output_len_spread(spread: float) -> None:
+    if not 0.0 <= spread < 1.0:
+        raise AdaFlashConfigError(
+            f"output length spread (--output-len-spread) must be in [0, 1), "
+            f"got {spread}"
+        )
+
+
+def seeded_lengths(num: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """`num` lengths drawn uniformly from [lo, hi] with their own seeded stream."""
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(num)]
+
+
 def output_lengths(
     num: int, max_tokens: int, spread: float = 0.0, seed: int = 0
 ) -> list[int]:
     """`num` output lengths: all `max_tokens`, or with `spread` in (0, 1) drawn
     uniformly (seeded) from [max_tokens (1 - spread), max_tokens (1 + spread)]."""
-    if not 0.0 <= spread < 1.0:
-        raise AdaFlashConfigError(
-            f"output length spread must be in [0, 1), got {spread}"
-        )
+    check_output_len_spread(spread)
     if spread == 0.0:
         return [max_tokens] * num
-    rng = random.Random(seed)
     lo = max(1, round(max_tokens * (1.0 - spread)))
     hi = max(lo, round(max_tokens * (1.0 + spread)))
-    return [rng.randint(lo, hi) for _ in range(num)]
+    return seeded_lengths(num, lo, hi, seed)
