@@ -36,7 +36,10 @@ class AdaFlashRejectionSampler(RejectionSampler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._counts: dict[str, torch.Tensor] | None = None
+        # Rounds per drafts verified (host: the drafts are host lists) and per
+        # tokens emitted, accepted + 1 (device: no host sync per step).
+        self._verify_hist: list[int] = [0]
+        self._emitted: torch.Tensor | None = None
         self.recording = True  # off while profiling with dummy batches
 
     @override
@@ -54,8 +57,12 @@ class AdaFlashRejectionSampler(RejectionSampler):
     def _sample_bonus_only(self, metadata, logits, sampling_metadata) -> SamplerOutput:
         """k_i = 0 for every request: what `RejectionSampler.forward` returns then
         (its bonus sample, [B, 1]), minus the empty rejection pass."""
+        # With no drafts the target computed one logits row per request, so the
+        # bonus rows are all of them, in order: no gather (a [B, V] copy) needed.
+        if logits.shape[0] != len(metadata.num_draft_tokens):
+            logits = logits[metadata.bonus_logits_indices]
         bonus = self.sampler(
-            logits=logits[metadata.bonus_logits_indices],
+            logits=logits,
             sampling_metadata=sampling_metadata,
             predict_bonus_token=True,
         )
@@ -64,44 +71,39 @@ class AdaFlashRejectionSampler(RejectionSampler):
         )
 
     def _record_bonus_only(self, num_reqs: int, output: SamplerOutput) -> None:
-        if self._counts is None:  # the first drafting step grows it to K
-            self._grow(1, output.sampled_token_ids.device)
-        self._counts["verify_hist"][0] += num_reqs
+        self._verify_hist[0] += num_reqs  # host only: every round emitted 1 token
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
         # sampled: [B, K + 1], -1 after the first rejection (and past k_i + 1).
-        device = sampled.device
         k_max = sampled.shape[1] - 1
-        if self._counts is None or self._counts["drafted"].numel() < k_max:
-            self._grow(k_max, device)
-        drafts = torch.tensor(num_draft_tokens, device=device)
-        accepted = (sampled >= 0).sum(-1) - 1
-        pos = torch.arange(k_max, device=device)
-        c = self._counts
-        c["drafted"][:k_max] += (pos < drafts.unsqueeze(-1)).sum(0)
-        c["accepted"][:k_max] += (pos < accepted.unsqueeze(-1)).sum(0)
-        c["verify_hist"].index_add_(
-            0, drafts.clamp(max=c["verify_hist"].numel() - 1), torch.ones_like(drafts)
-        )
-
-    def _grow(self, k_max: int, device: torch.device) -> None:
-        old = self._counts
-        new = {
-            "drafted": torch.zeros(k_max, dtype=torch.long, device=device),
-            "accepted": torch.zeros(k_max, dtype=torch.long, device=device),
-            "verify_hist": torch.zeros(k_max + 1, dtype=torch.long, device=device),
-        }
-        if old is not None:
-            for key, value in old.items():
-                new[key][: value.numel()] += value
-        self._counts = new
+        if len(self._verify_hist) < k_max + 1:
+            self._verify_hist += [0] * (k_max + 1 - len(self._verify_hist))
+        for k in num_draft_tokens:  # the drafts are host data: count them there
+            self._verify_hist[k] += 1
+        emitted = (sampled >= 0).sum(-1)  # [B] accepted + 1, on the device
+        if self._emitted is None or self._emitted.numel() < k_max + 2:
+            grown = torch.zeros(k_max + 2, dtype=torch.long, device=sampled.device)
+            if self._emitted is not None:
+                grown[: self._emitted.numel()] += self._emitted
+            self._emitted = grown
+        self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
 
     def stats(self) -> dict[str, list[int]]:
-        """Cumulative counts; verify_hist[j] = rounds that verified j drafts."""
-        if self._counts is None:
-            return {"drafted": [], "accepted": [], "verify_hist": []}
-        return {k: v.cpu().tolist() for k, v in self._counts.items()}
+        """Cumulative counts; verify_hist[j] = rounds that verified j drafts,
+        drafted[j] / accepted[j] = rounds that drafted / accepted draft j + 1."""
+        hist = self._verify_hist
+        k = max(len(hist) - 1, 1)
+        hist = hist + [0] * (k + 1 - len(hist))
+        emitted = [] if self._emitted is None else self._emitted.cpu().tolist()
+        emitted += [0] * (k + 2 - len(emitted))
+        drafted = [sum(hist[j + 1 :]) for j in range(k)]
+        accepted = [sum(emitted[j + 2 :]) for j in range(k)]
+        return {"drafted": drafted, "accepted": accepted, "verify_hist": hist}
 
     def accepted_total(self) -> int:
         """Accepted drafts so far (one host sync)."""
-        return 0 if self._counts is None else int(self._counts["accepted"].sum())
+        if self._emitted is None:
+            return 0
+        n = self._emitted.numel()
+        weights = torch.arange(-1, n - 1, device=self._emitted.device).clamp_min(0)
+        return int((self._emitted * weights).sum())

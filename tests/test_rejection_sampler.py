@@ -134,3 +134,50 @@ def test_steps_with_drafts_or_logprobs_take_vllms_path(monkeypatch):
     )
     assert with_logprobs.logprobs_tensors is not None
     assert calls == []
+
+
+def test_counts_per_position_match_the_verified_tokens():
+    """Greedy drafts that match the target's argmax for a known prefix: the
+    per-position counts and the accepted total are those prefixes, over steps
+    with different K (the counters grow)."""
+    sampler = AdaFlashRejectionSampler(Sampler())
+    want_drafted, want_accepted, want_hist = [0] * 5, [0] * 5, [0] * 6
+    gen = torch.Generator().manual_seed(0)
+    for step, k_max in enumerate((3, 5, 2)):
+        ks = [(i + step) % (k_max + 1) for i in range(B)]
+        matches = [min(k, (i * 7 + step) % (k + 1)) for i, k in enumerate(ks)]
+        logits = torch.randn(sum(ks) + B, V, generator=gen)
+        drafts, row = [], 0
+        for k, m in zip(ks, matches, strict=True):
+            top = logits[row : row + k].argmax(-1).tolist()
+            # Drafts 1..m are the target's argmax; draft m + 1 is not.
+            drafts.append([t if j < m else (t + 1) % V for j, t in enumerate(top)])
+            row += k + 1
+        out = sampler(_metadata(drafts), None, logits, _sampling(None, 0))
+        emitted = (out.sampled_token_ids >= 0).sum(-1) - 1
+        assert emitted.tolist() == matches
+        for k, m in zip(ks, matches, strict=True):
+            want_hist[k] += 1
+            for j in range(k):
+                want_drafted[j] += 1
+            for j in range(m):
+                want_accepted[j] += 1
+    stats = sampler.stats()
+    assert stats["verify_hist"] == want_hist
+    assert stats["drafted"] == want_drafted
+    assert stats["accepted"] == want_accepted
+    assert sampler.accepted_total() == sum(want_accepted)
+
+
+def test_bonus_only_step_samples_the_logits_without_a_gather():
+    seen = []
+
+    class Recording(Sampler):
+        def forward(self, logits, sampling_metadata, **kwargs):
+            seen.append(logits)
+            return super().forward(logits, sampling_metadata, **kwargs)
+
+    sampler = AdaFlashRejectionSampler(Recording())
+    logits = torch.randn(B, V)
+    sampler(_metadata([[] for _ in range(B)]), None, logits, _sampling(None, 0))
+    assert seen[0].data_ptr() == logits.data_ptr()
