@@ -80,15 +80,29 @@ def _server(config: str, concurrency: int, out: Path, cores: str):
     server.start()
     if config in _RPC:
         method, rpc_args = _RPC[config]
-        body = json.dumps({"method": method, "args": rpc_args}).encode()
-        request = urllib.request.Request(
-            server.url + "/collective_rpc",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as r:
-            r.read()
+        _rpc(server, method, rpc_args)
     return server
+
+
+def _rpc(server, method: str, args: list) -> list:
+    """One /collective_rpc call; the workers' results."""
+    body = json.dumps({"method": method, "args": args}).encode()
+    request = urllib.request.Request(
+        server.url + "/collective_rpc",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _gate_buckets(server) -> dict | None:
+    """The draft gate's per-bucket state after the passes (None without a gate)."""
+    reply = _rpc(server, "adaflash_budget_state", [])
+    results = reply.get("results", reply) if isinstance(reply, dict) else reply
+    state = results[0] if isinstance(results, list) and results else {}
+    gate = state.get("draft_gate") if isinstance(state, dict) else None
+    return gate.get("buckets") if isinstance(gate, dict) else None
 
 
 def main() -> None:
@@ -130,7 +144,7 @@ def main() -> None:
         "temperature": 0.0,
         "output_len_spread": args.length_spread,
     }
-    servers = {}
+    servers, gates = {}, {}
     try:
         for config in configs:
             servers[config] = _server(config, args.concurrency, out, args.cores)
@@ -152,9 +166,20 @@ def main() -> None:
                 if failed:
                     line += f" FAILED {failed}"
                 print(line, flush=True)
+        gates = {c: _gate_buckets(servers[c]) for c in configs if c in _BENCH_NAME}
     finally:
         for server in servers.values():
             server.stop()
+    for config, buckets in gates.items():
+        (out / f"{config}-gate.json").write_text(json.dumps(buckets, indent=1))
+        for size, g in (buckets or {}).items():  # what each batch size settled on
+            print(
+                f"{config:>10} gate, batch <= {size:>3}: drafted "
+                f"{g['drafted_steps']:>5} skipped {g['skipped_steps']:>5} steps, "
+                f"tokens/ms draft {g['draft_tokens_per_ms'] or 0:.3f} "
+                f"skip {g['skip_tokens_per_ms'] or 0:.3f}, "
+                f"now {'drafting' if g['drafting'] else 'skipping'}"
+            )
     summary = {
         "concurrency": args.concurrency,
         "requests": args.requests,
