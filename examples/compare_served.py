@@ -1,9 +1,10 @@
 """Served paired passes: several `vllm serve` configurations of the demo models up
 at once (all pinned to the same core, idle while another is measured), each pass
 the same requests at a fixed client concurrency, configurations in a rotating
-order. Prints every pass's tok/s, the draft gate's skipped share and tau, then each
-configuration's per-pass ratios to plain (mean with a 95% interval) and one JSON
-line.
+order. Prints every pass's tok/s, the draft gate's skipped share and tau, each
+AdaFlash server's gate state per batch-size bucket at the end (also saved as
+OUT/CONFIG-gate.json), then each configuration's per-pass ratios to plain (mean
+with a 95% interval) and one JSON line.
 
 Run (about 8 minutes on 2 cores for the default):
     python examples/compare_served.py --configs plain,cost_aware,single \
@@ -84,8 +85,8 @@ def _server(config: str, concurrency: int, out: Path, cores: str):
     return server
 
 
-def _rpc(server, method: str, args: list) -> list:
-    """One /collective_rpc call; the workers' results."""
+def _rpc(server, method: str, args: list) -> dict | None:
+    """One /collective_rpc call: {"results": [one per worker]} (None if empty)."""
     body = json.dumps({"method": method, "args": args}).encode()
     request = urllib.request.Request(
         server.url + "/collective_rpc",
@@ -98,11 +99,9 @@ def _rpc(server, method: str, args: list) -> list:
 
 def _gate_buckets(server) -> dict | None:
     """The draft gate's per-bucket state after the passes (None without a gate)."""
-    reply = _rpc(server, "adaflash_budget_state", [])
-    results = reply.get("results", reply) if isinstance(reply, dict) else reply
-    state = results[0] if isinstance(results, list) and results else {}
-    gate = state.get("draft_gate") if isinstance(state, dict) else None
-    return gate.get("buckets") if isinstance(gate, dict) else None
+    reply = _rpc(server, "adaflash_budget_state", []) or {}
+    state = (reply.get("results") or [{}])[0] or {}
+    return (state.get("draft_gate") or {}).get("buckets")
 
 
 def main() -> None:
@@ -171,8 +170,10 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     for config, buckets in gates.items():
+        if buckets is None:  # no gate (no_draft's scripted one has no buckets)
+            continue
         (out / f"{config}-gate.json").write_text(json.dumps(buckets, indent=1))
-        for size, g in (buckets or {}).items():  # what each batch size settled on
+        for size, g in buckets.items():  # what each batch size settled on
             print(
                 f"{config:>10} gate, batch <= {size:>3}: drafted "
                 f"{g['drafted_steps']:>5} skipped {g['skipped_steps']:>5} steps, "
