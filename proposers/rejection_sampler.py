@@ -40,6 +40,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
         # tokens emitted, accepted + 1 (device: no host sync per step).
         self._verify_hist: list[int] = [0]
         self._emitted: torch.Tensor | None = None
+        self._accepted_per_bin: torch.Tensor | None = None  # bin n: n - 1 drafts
+        self._accepted: int | None = 0  # accepted_total's value, None when stale
         self.recording = True  # off while profiling with dummy batches
 
     @override
@@ -47,7 +49,7 @@ class AdaFlashRejectionSampler(RejectionSampler):
         if _only_bonus_tokens(metadata, sampling_metadata):
             output = self._sample_bonus_only(metadata, logits, sampling_metadata)
             if self.recording:  # nothing drafted or accepted: B rounds of 1 token
-                self._record_bonus_only(len(metadata.num_draft_tokens), output)
+                self._record_bonus_only(len(metadata.num_draft_tokens))
             return output
         output = super().forward(metadata, draft_probs, logits, sampling_metadata)
         if self.recording:
@@ -70,7 +72,7 @@ class AdaFlashRejectionSampler(RejectionSampler):
             sampled_token_ids=bonus.sampled_token_ids.view(-1, 1), logprobs_tensors=None
         )
 
-    def _record_bonus_only(self, num_reqs: int, output: SamplerOutput) -> None:
+    def _record_bonus_only(self, num_reqs: int) -> None:
         self._verify_hist[0] += num_reqs  # host only: every round emitted 1 token
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
@@ -86,7 +88,10 @@ class AdaFlashRejectionSampler(RejectionSampler):
             if self._emitted is not None:
                 grown[: self._emitted.numel()] += self._emitted
             self._emitted = grown
+            bins = torch.arange(-1, k_max + 1, device=sampled.device)
+            self._accepted_per_bin = bins.clamp_min(0)
         self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
+        self._accepted = None
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counts; verify_hist[j] = rounds that verified j drafts,
@@ -101,9 +106,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
         return {"drafted": drafted, "accepted": accepted, "verify_hist": hist}
 
     def accepted_total(self) -> int:
-        """Accepted drafts so far (one host sync)."""
-        if self._emitted is None:
-            return 0
-        n = self._emitted.numel()
-        weights = torch.arange(-1, n - 1, device=self._emitted.device).clamp_min(0)
-        return int((self._emitted * weights).sum())
+        """Accepted drafts so far (one host sync after a drafting step; none after
+        steps without drafts, which accept nothing)."""
+        if self._accepted is None:
+            self._accepted = int((self._emitted * self._accepted_per_bin).sum())
+        return self._accepted

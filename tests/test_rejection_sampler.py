@@ -162,6 +162,11 @@ def test_counts_per_position_match_the_verified_tokens():
                 want_drafted[j] += 1
             for j in range(m):
                 want_accepted[j] += 1
+        assert sampler.accepted_total() == sum(want_accepted)  # after every step
+        bonus_only = [[] for _ in range(B)]  # accepts nothing: the total holds
+        sampler(_metadata(bonus_only), None, torch.randn(B, V), _sampling(None, 0))
+        want_hist[0] += B
+        assert sampler.accepted_total() == sum(want_accepted)
     stats = sampler.stats()
     assert stats["verify_hist"] == want_hist
     assert stats["drafted"] == want_drafted
