@@ -53,6 +53,7 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
         return None
     check_drafter_dir(spec.get("model"))
     check_length_policy(cfg, spec)
+    _keep_trailing_cache_block(spec)
     _set_class(args, "scheduler_cls", SCHEDULER_CLS, "--scheduler-cls")
     _set_class(
         args, "worker_extension_cls", WORKER_EXTENSION_CLS, "--worker-extension-cls"
@@ -73,6 +74,29 @@ def prepare_engine_args(args: Any) -> AdaFlashConfig | None:
     )
     args.additional_config = extra
     return cfg
+
+
+KEEP_BLOCK_KEY = "disable_eagle_block_drop"
+
+
+def _keep_trailing_cache_block(spec: dict) -> None:
+    """Default vLLM's `disable_eagle_block_drop` to true (unless given).
+
+    vLLM drops the last matched prefix-cache block for every EAGLE-family drafter,
+    DFlash included, because an EAGLE drafter's K/V there may not be final. A
+    DFlash drafter's context K/V at a position is written from the target's hidden
+    state there, in the step the target computed it (or, for steps without a draft,
+    queued and written in order before the drafter next reads its cache), so a
+    cached block's drafter K/V is final and the block can be reused like plain
+    vLLM does (measured: same hits as plain, same acceptance; BENCHMARKS.md).
+    """
+    from vllm.config import SpeculativeConfig
+
+    if KEEP_BLOCK_KEY in spec or KEEP_BLOCK_KEY not in getattr(
+        SpeculativeConfig, "__dataclass_fields__", {}
+    ):
+        return  # the user's choice, or a vLLM without the option
+    spec[KEEP_BLOCK_KEY] = True
 
 
 def _set_class(args: Any, attr: str, ours: str, flag: str) -> None:

@@ -195,6 +195,19 @@ def greedy(llm, prompts: list[str], max_tokens: int = 32) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def greedy_with_cache_hits(
+    llm, prompts: list[str], max_tokens: int = 32
+) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs and each request's prefix-cache hit (cached prompt tokens)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [
+        o.num_cached_tokens for o in outs
+    ]
+
+
 def sample_tokens(
     llm, prompt: str, n: int, positions: tuple[int, ...], temperature: float = 1.0
 ) -> dict[int, list[int]]:

@@ -57,6 +57,18 @@ def test_without_section_config_is_stock(tiny):
     assert cfg.parallel_config.worker_extension_cls == ""
 
 
+@pytest.mark.parametrize("given", [None, False, True])
+def test_trailing_prefix_cache_block_kept_unless_asked(tiny, given):
+    """AdaFlash keeps the prefix-cache block vLLM drops for EAGLE-family drafters
+    (its DFlash context K/V there is final); a user's explicit choice stands, and
+    stock DFlash keeps vLLM's default."""
+    extra = {} if given is None else {"disable_eagle_block_drop": given}
+    cfg = _engine_config(tiny, tiny.spec(adaflash={}, **extra))
+    assert cfg.speculative_config.use_eagle_block_drop() is (given is False)
+    stock = _engine_config(tiny, tiny.spec(**extra))
+    assert stock.speculative_config.use_eagle_block_drop() is not bool(given)
+
+
 def test_config_file_path_is_accepted(tiny):
     path = tiny.write_config("ok.json", tiny.spec(adaflash={}))
     cfg = _engine_config(tiny, str(path))

@@ -4,8 +4,21 @@ distribution-identical at temperature 1, with fixed K and with ragged budgets.""
 import pytest
 from scipy.stats import chi2_contingency
 
-from tests.engine.conftest import NUM_SAMPLES, SAMPLE_POSITIONS, SAMPLE_PROMPT
-from tests.helpers import PROMPTS, greedy, make_llm, metrics, sample_tokens, shutdown
+from tests.engine.conftest import (
+    LONG_PROMPTS,
+    NUM_SAMPLES,
+    SAMPLE_POSITIONS,
+    SAMPLE_PROMPT,
+)
+from tests.helpers import (
+    PROMPTS,
+    greedy,
+    greedy_with_cache_hits,
+    make_llm,
+    metrics,
+    sample_tokens,
+    shutdown,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -116,3 +129,16 @@ def test_sampling_distribution_matches(adaflash, baseline):
         assert p_same > 1e-3, f"position {pos}: p={p_same}"
     p_control = two_sample_p_value(baseline["samples"][0], baseline["samples_cold"][0])
     assert p_control < 1e-3, f"control not detected: p={p_control}"
+
+
+def test_prefix_cache_hits_like_plain(adaflash, baseline):
+    """Prompts served a second time hit the prefix cache as in plain vLLM (AdaFlash
+    keeps the trailing block vLLM drops for EAGLE-family drafters), and the outputs
+    stay token-identical to plain vLLM's (drafts read the cached blocks' context
+    K/V; with `skips`, K/V queued by steps without a draft)."""
+    llm = adaflash["llm"]
+    for i, (want, want_hits) in enumerate(baseline["long"]):
+        got, hits = greedy_with_cache_hits(llm, LONG_PROMPTS)
+        assert got == want, f"pass {i}: outputs differ from plain vLLM"
+        assert hits == want_hits, f"pass {i}: cached tokens {hits} vs plain {want_hits}"
+    assert sum(baseline["long"][0][1]) == 0 and min(baseline["long"][1][1]) >= 256
