@@ -6,10 +6,15 @@ per pass, the cached prompt tokens, the drafts accepted and the wall time.
 
 Run (about 3 minutes):
     taskset -c 0 python examples/prefix_cache.py
+    taskset -c 0 python examples/prefix_cache.py --draft-every 2
+
+`--draft-every 2`: the AdaFlash engines run the drafter on every other step only
+(the steps between queue their context K/V, as skipped steps do).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -76,11 +81,16 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft-every", type=int, default=1)
+    every = parser.parse_args().draft_every
     prompts = _prompts(AutoTokenizer.from_pretrained(str(DEMO / "target")))
     params = SamplingParams(temperature=0, max_tokens=96)
     outputs = {}
     for name, extra in CONFIGS.items():
         llm = _engine(extra)
+        if extra is not None and every > 1:
+            llm.collective_rpc("adaflash_debug_draft_every", args=(every,))
         for i in range(3):
             before, started = _counters(llm), time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
