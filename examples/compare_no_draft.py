@@ -13,7 +13,8 @@ without it every batch starts and ends together.
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
-`length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`) and
+`length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`),
+`adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts) and
 `adaflash:z2` (the draft gate switching modes only past 2 standard errors, set
 with the `adaflash_debug_gate` RPC).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
@@ -36,6 +37,7 @@ DEMO = Path(__file__).resolve().parent / "demo"
 _ADAFLASH_VARIANTS = {
     "adaptive_block": {"adaptive_block": True},
     "noskip": {"skip_drafting": False},
+    "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
@@ -145,9 +147,10 @@ def main() -> None:
     )
     summary = {"concurrency": args.concurrency, "vs_plain": {}}
     # Each configuration against plain; AdaFlash ones also against stock DFlash
-    # K = 7, the floor (no_draft) and AdaFlash without the gate, when those ran.
+    # K = 7, the floor (no_draft), AdaFlash without the gate and AdaFlash verifying
+    # all K drafts, when those ran.
     pairs = [(c, "plain") for c in configs[1:]]
-    for base in ("dflash", "no_draft", "adaflash:noskip"):
+    for base in ("dflash", "no_draft", "adaflash:noskip", "adaflash:fixed"):
         if base in configs:
             pairs += [
                 (c, base) for c in configs if c.startswith("adaflash") and c != base
