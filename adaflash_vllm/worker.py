@@ -94,6 +94,7 @@ class AdaFlashWorkerExtension:
                 getattr(drafter.model, "length_head", None), "kind", None
             ),
             "survival": type(getattr(policy, "survival", None)).__name__,
+            "budget_use": policy.use.to_dict() if hasattr(policy, "use") else None,
             "draft_gate": gate.to_dict() if gate is not None else None,
             "block_length": block.to_dict() if block is not None else None,
             "draft_round_trips": patches.draft_round_trips(self.model_runner),

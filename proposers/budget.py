@@ -232,6 +232,70 @@ class AcceptanceCalibration:
         }
 
 
+class _UseState:
+    __slots__ = ("gain", "overhead", "waited")
+
+    def __init__(self) -> None:
+        self.gain: float | None = None  # EMA: predicted rate gain of the budgets
+        self.overhead = 0.0  # EMA: choosing's own time, as a share of the round
+        self.waited = 0  # steps without a choice since the last one
+
+
+class BudgetUse:
+    """Whether choosing budgets pays at a batch size (per `batch_bucket`).
+
+    Choosing costs time of its own: the drafts' confidence features, the length
+    head, the allocation, a device sync. Where verification is cheap (one request
+    on this CPU) the budgets it picks save less than that; paired rounds at one
+    request measured cost_aware budgets at 0.946 +- 0.048 of verifying all K with
+    the same accepted drafts per round (BENCHMARKS.md, run 13). So per bucket this
+    keeps EMAs of the allocation's predicted gain (its tokens per ms over full K's,
+    minus 1) and of the choice's measured time as a share of the round, and skips
+    the choice (all K verified, as `fixed`) while the gain is below that share,
+    choosing again every `check_every` steps to follow the batch and the text."""
+
+    def __init__(self, ema: float = 0.1, check_every: int = 16):
+        self.ema, self.check_every = ema, check_every
+        self._states: dict[int, _UseState] = {}
+        self.chosen_steps = 0
+        self.full_k_steps = 0
+
+    def active(self, num_reqs: int) -> bool:
+        from adaflash_vllm.proposers.draft_gate import batch_bucket
+
+        st = self._states.setdefault(batch_bucket(num_reqs), _UseState())
+        use = st.gain is None or st.gain > st.overhead or st.waited >= self.check_every
+        st.waited = 0 if use else st.waited + 1
+        self.chosen_steps += use
+        self.full_k_steps += not use
+        return use
+
+    def record(self, num_reqs: int, choice: dict, choose_ms: float) -> None:
+        """After a choice: its predicted gain and its own time (ms)."""
+        from adaflash_vllm.proposers.draft_gate import batch_bucket
+
+        st = self._states.setdefault(batch_bucket(num_reqs), _UseState())
+        full = choice["full_k_tokens_per_ms"]
+        gain = choice["tokens_per_ms"] / full - 1.0 if full > 0 else 0.0
+        round_ms = choice["verify_ms"] + choice.get("draft_ms", 0.0)
+        share = choose_ms / round_ms if round_ms > 0 else 0.0
+        if st.gain is None:
+            st.gain, st.overhead = gain, share
+        else:
+            st.gain += self.ema * (gain - st.gain)
+            st.overhead += self.ema * (share - st.overhead)
+
+    def to_dict(self) -> dict:
+        return {
+            "chosen_steps": self.chosen_steps,
+            "full_k_steps": self.full_k_steps,
+            "buckets": {
+                str(b): {"gain": st.gain, "overhead": st.overhead}
+                for b, st in sorted(self._states.items())
+            },
+        }
+
+
 class CostAwareBudget:
     """Budgets maximising expected emitted tokens per second (module docstring).
     The expected tokens it reports (for the draft gate) are scaled by the online
@@ -252,6 +316,7 @@ class CostAwareBudget:
         self.last_choice: dict | None = None
         self.last_survival: torch.Tensor | None = None  # [B, K] of the last choice
         self.calibration = AcceptanceCalibration()
+        self.use = BudgetUse()
         self.last_predicted: float | None = None  # uncalibrated E[accepted], last step
         # Blocks shorter than a survival head's K (block_length.py) read the
         # drafts' own confidence, which the head's inputs already include.
@@ -282,6 +347,10 @@ class CostAwareBudget:
             self.last_predicted
         )
         return k_i
+
+    def skip_choice(self) -> None:
+        """A step that verifies all K without choosing (`BudgetUse`)."""
+        self.last_predicted = None
 
     def observe_accepted(self, accepted: int) -> None:
         """Drafts accepted from the last chosen budgets (same batch, verified)."""
@@ -331,6 +400,7 @@ def allocate_budgets(
         "expected_tokens": float(base_tokens + gains[best]),
         "verify_ms": float(times[best]),
         "plain_verify_ms": float(cost(b)),  # the same batch verifying no drafts
+        "draft_ms": float(extra_ms),
         "tokens_per_ms": float(rate[best]),
         "full_k_tokens_per_ms": float(rate[-1]),
     }

@@ -28,7 +28,8 @@ drafter knows less) that leaves it within `decisive_margin` of skipping's last
 measured rate starts an exploration at once instead of waiting out the backoff.
 Exploring skips costs a few slow rounds, so it is only done when the cost model's
 own estimate (expected tokens per ms from the budgets and the step-cost curve) does
-not already favour drafting by `sure_margin`, and a switch to drafting needs that
+not already favour drafting by `sure_margin`, nor drafting's measured long-run rate
+(below) skipping's last measured one by as much, and a switch to drafting needs that
 estimate not to favour skipping by `sure_margin` either; a batch that shrank by a
 quarter since the last switch explores drafting at once. A switch needs the other
 mode to win by more than `switch_z` standard errors of the two rates (from the
@@ -183,7 +184,14 @@ class DraftGate:
     def _worth_exploring(self) -> bool:
         if not self.drafting:
             return True
-        return self.model_ratio is None or self.model_ratio < self.sure_margin
+        if self.model_ratio is not None and self.model_ratio >= self.sure_margin:
+            return False
+        # Nor while drafting's long-run rate is `sure_margin` times skipping's last
+        # measured one: the per-step estimate above swings with each step's
+        # predicted acceptance (at one request from ~1x to 5x), and each check
+        # there skipped steps that emit a quarter of a drafting step's tokens.
+        slow, skip = self.draft_rate_slow.ratio(), self.skip_rate.ratio()
+        return slow is None or skip is None or slow < self.sure_margin * skip
 
     def _explore(self, num_reqs: int) -> None:
         # +1: the last exploring step's round is only credited at the next step.

@@ -9,6 +9,7 @@ It loads plain z-lab DFlash checkpoints unchanged; a checkpoint whose
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -87,6 +88,7 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
         # features of the logits computed for the drafts (no second lm_head pass).
         self.record_confidence = False
         self.last_confidence: torch.Tensor | None = None  # [B * K, 3]
+        self.confidence_ms = 0.0  # host time of the last confidence features
 
     def _head_config(self) -> dict:
         cfg = self.config.to_dict() if hasattr(self.config, "to_dict") else {}
@@ -99,7 +101,9 @@ class AdaFlashDFlashForCausalLM(DFlashQwen3ForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden_states)
         if self.record_confidence and logits is not None:
+            started = time.perf_counter()
             self.last_confidence = draft_confidence(logits)
+            self.confidence_ms = 1e3 * (time.perf_counter() - started)
         return logits
 
     def load_weights(self, weights):

@@ -145,6 +145,8 @@ class AdaFlashProposer(DFlashProposer):
         self._profiling_target_only = False
         self._runner = runner
         self._mask_hidden: torch.Tensor | None = None  # [B, K, H] of the last propose
+        self._choosing = True  # this step chooses budgets (BudgetUse)
+        self._confidence_ms = 0.0  # the confidence features' time, this step
         self._mask_confidence: torch.Tensor | None = None  # [B * K, 3], same propose
         self._deferred = _DeferredContext()  # context K/V of skipped steps
         self._budgets: dict[str, int] | None = None
@@ -261,7 +263,12 @@ class AdaFlashProposer(DFlashProposer):
         # hidden_states: [B * K, H], the drafter's outputs at the K mask positions.
         if self.budget_policy is not None or self.captures is not None:
             self._mask_hidden = hidden_states
-        if self.budget_policy is None or not self.budget_policy.needs_confidence:
+        self._confidence_ms = 0.0
+        if (
+            self.budget_policy is None
+            or not self.budget_policy.needs_confidence
+            or not self._choosing
+        ):
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         # Confidence features of the logits the drafts are sampled from.
         model = self.model
@@ -276,6 +283,7 @@ class AdaFlashProposer(DFlashProposer):
             # reduction): compute them once more.
             confidence = draft_confidence(model.compute_logits(hidden_states))
         self._mask_confidence = confidence
+        self._confidence_ms = model.confidence_ms
         return drafts
 
     @override
@@ -306,6 +314,10 @@ class AdaFlashProposer(DFlashProposer):
             if not draft:
                 return self._skip_drafting(req_ids, batch, started, last, **kwargs)
         started = self._write_deferred_context(gate, started)
+        use = getattr(self.budget_policy, "use", None)
+        self._choosing = use is None or use.active(num_reqs)
+        if not self._choosing:
+            self.budget_policy.skip_choice()
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
         length = (
@@ -326,17 +338,29 @@ class AdaFlashProposer(DFlashProposer):
             confidence = confidence.view(num_reqs, num_drafts, CONFIDENCE_FEATURES)
         if self.captures is not None and hidden is not None:
             self._capture(req_ids, draft_token_ids, hidden, kwargs)
-        if self.budget_policy is not None:
+        if self.budget_policy is not None and not self._choosing:
+            # Choosing does not pay at this batch size (BudgetUse): every draft
+            # of the block is verified (a short block's padding still is not).
+            self._budgets = dict.fromkeys(req_ids, num_drafts)
+            self._remember_propose(started, self._synced_clock(), batch, True, last)
+        elif self.budget_policy is not None:
+            chose_at = self._synced_clock()
             budgets = self.budget_policy.choose(
                 req_ids=req_ids,
                 num_drafts=num_drafts,
                 hidden_states=hidden,
                 confidence=confidence,
-                draft_ms=1e3 * (self._synced_clock() - started),
+                draft_ms=1e3 * (chose_at - started),
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
             now = self._synced_clock()
+            if use is not None and self.budget_policy.last_choice is not None:
+                use.record(
+                    num_reqs,
+                    self.budget_policy.last_choice,
+                    1e3 * (now - chose_at) + self._confidence_ms,
+                )
             if gate is not None and self.cost_model is not None:
                 choice = self.budget_policy.last_choice
                 gate.record_draft(

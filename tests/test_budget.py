@@ -6,6 +6,7 @@ import pytest
 import torch
 from adaflash_vllm.proposers.budget import (
     AcceptanceCalibration,
+    BudgetUse,
     ConfidenceSurvival,
     CostAwareBudget,
     DebugRaggedBudget,
@@ -276,3 +277,43 @@ def test_acceptance_calibration_is_a_ratio_of_sums_within_bounds():
         cal.observe(predicted=1.0, realised=0.0)
     assert cal.factor == 0.1  # clamped
     assert cal.to_dict()["observations"] == 42
+
+
+def _choice(gain: float, round_ms: float = 20.0) -> dict:
+    """An allocation result whose budgets beat full K by `gain` (a fraction)."""
+    return {
+        "tokens_per_ms": 0.1 * (1 + gain),
+        "full_k_tokens_per_ms": 0.1,
+        "verify_ms": round_ms - 5.0,
+        "draft_ms": 5.0,
+    }
+
+
+def test_budget_use_stops_choosing_where_it_costs_more_than_it_gains():
+    """Per batch bucket: while the predicted gain (1%) is below the choice's own
+    time (0.8 ms of a 20 ms round: 4%), only every 16th step chooses; where the
+    gain is larger (10%, e.g. under load) every step does."""
+    use = BudgetUse(check_every=16)
+    assert use.active(1)  # nothing measured yet: choose
+    use.record(1, _choice(0.01), choose_ms=0.8)
+    low = [use.active(1) for _ in range(64)]
+    assert low.count(True) == 64 // 17 and not any(low[:16]) and low[16]
+    assert use.active(32)  # another bucket: measured apart
+    use.record(32, _choice(0.10), choose_ms=0.8)
+    assert all(use.active(32) for _ in range(64))
+    state = use.to_dict()
+    assert state["buckets"]["1"]["gain"] == pytest.approx(0.01)
+    assert state["buckets"]["1"]["overhead"] == pytest.approx(0.04)
+
+
+def test_budget_use_follows_a_gain_that_grows():
+    """The checks keep measuring: once the gain passes the overhead, every step
+    chooses again."""
+    use = BudgetUse(ema=0.5, check_every=4)
+    use.record(1, _choice(0.0), choose_ms=1.0)
+    chose = 0
+    for _ in range(200):
+        if use.active(1):
+            chose += 1
+            use.record(1, _choice(0.2), choose_ms=1.0)
+    assert chose > 150 and use.active(1)
