@@ -178,6 +178,7 @@ def main() -> None:
             "block_probes": block.get("probes"),
             "drafts_verified_per_round": sum(counts["drafted"]) / rounds,
             "drafts_accepted_per_round": sum(counts["accepted"]) / rounds,
+            "budget_use": state.get("budget_use"),
         }
         print(f"{name}: {summary['adaflash_state'][name]}")
     print(json.dumps(summary))

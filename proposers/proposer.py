@@ -314,15 +314,17 @@ class AdaFlashProposer(DFlashProposer):
             if not draft:
                 return self._skip_drafting(req_ids, batch, started, last, **kwargs)
         started = self._write_deferred_context(gate, started)
-        use = getattr(self.budget_policy, "use", None)
-        self._choosing = use is None or use.active(num_reqs)
-        if not self._choosing:
-            self.budget_policy.skip_choice()
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
         length = (
             block.next_length() if block is not None and block.full == full else full
         )
+        use = getattr(self.budget_policy, "use", None)
+        # A block-length probe reads the survivals: it always chooses.
+        probe = block is not None and getattr(block, "probing", False)
+        self._choosing = use is None or use.active(num_reqs, force=probe)
+        if not self._choosing:
+            self.budget_policy.skip_choice()
         if length != full:
             kwargs["num_speculative_tokens"] = length  # a shorter block: L <= K masks
         try:
