@@ -74,6 +74,10 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         assert m["vllm:adaflash_draft_gate_drafted_steps"] == gate["drafted_steps"]
         assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
         assert m["vllm:adaflash_draft_gate_drafting"] == int(gate["drafting"])
+        # Every drafting step asked BudgetUse whether to choose; some chose.
+        use = budget["budget_use"]
+        assert use["chosen_steps"] > 0, use
+        assert use["chosen_steps"] + use["full_k_steps"] == gate["drafted_steps"], use
         # Full-K probes chose a block length from measured drafting times.
         block = budget["block_length"]
         assert block["probes"] > 0 and 1 <= block["length"] <= K, block
