@@ -10,7 +10,6 @@ Run (about 2 minutes):
 from __future__ import annotations
 
 import collections
-import json
 import os
 import statistics
 import time
@@ -20,9 +19,9 @@ DEMO = Path(__file__).resolve().parent / "demo"
 
 
 def _engine(config: str, concurrency: int):
-    from vllm import LLM
+    from adaflash_vllm.bench.paired import offline_engine
 
-    spec, extra = None, {}
+    spec = None
     if config != "plain":
         spec = {
             "method": "dflash",
@@ -30,17 +29,7 @@ def _engine(config: str, concurrency: int):
             "num_speculative_tokens": 7,
             "adaflash": {"length": {"mode": "fixed"}},
         }
-        extra["worker_extension_cls"] = "adaflash_vllm.worker.AdaFlashWorkerExtension"
-    llm = LLM(
-        model=str(DEMO / "target"),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        max_num_seqs=concurrency,
-        speculative_config=spec,
-        seed=0,
-        **extra,
-    )
+    llm = offline_engine(str(DEMO / "target"), spec, concurrency)
     if config != "plain":  # never draft: every step is a step without a draft
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     return llm
@@ -66,19 +55,13 @@ def _time_forwards(llm, calls: list) -> None:
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # hooks in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from adaflash_vllm.training.data import chat_prompts, load_prompts
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(str(DEMO / "target"))
-    lines = (DEMO / "data" / "prompts_prose.jsonl").read_text().splitlines()[:16]
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": json.loads(x)["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for x in lines
-    ]
+    records = load_prompts(DEMO / "data" / "prompts_prose.jsonl", limit=16)
+    prompts = chat_prompts(tok, [r["prompt"] for r in records])
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for config in ("plain", "no_draft"):
         llm = _engine(config, len(prompts))

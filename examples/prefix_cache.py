@@ -15,7 +15,6 @@ Run (about 3 minutes):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -29,21 +28,19 @@ CONFIGS = {
 
 
 def _prompts(tok, n: int = 16, min_tokens: int = 141) -> list[str]:
+    from adaflash_vllm.training.data import chat_prompts, load_prompts
+
     prompts = []
     for name in ("prompts_prose.jsonl", "prompts_code.jsonl"):
-        for line in (DEMO / "data" / name).read_text().splitlines():
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": json.loads(line)["prompt"]}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+        records = load_prompts(DEMO / "data" / name)
+        for text in chat_prompts(tok, [r["prompt"] for r in records]):
             if len(tok(text).input_ids) >= min_tokens:
                 prompts.append(text)
     return prompts[:n]
 
 
 def _engine(extra: dict | None):
-    from vllm import LLM
+    from adaflash_vllm.bench.paired import offline_engine
 
     spec = None
     if extra is not None:
@@ -54,16 +51,7 @@ def _engine(extra: dict | None):
             "adaflash": {"length": {"mode": "fixed"}},
             **extra,
         }
-    return LLM(
-        model=str(DEMO / "target"),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        max_num_seqs=16,
-        speculative_config=spec,
-        seed=0,
-        disable_log_stats=False,
-    )
+    return offline_engine(str(DEMO / "target"), spec, 16, log_stats=True)
 
 
 def _counters(llm) -> dict[str, float]:

@@ -47,6 +47,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from adaflash_vllm.proposers.cost_model import StepCostModel
+from adaflash_vllm.proposers.draft_gate import batch_bucket
 from adaflash_vllm.proposers.ratio_ema import RatioEMA
 
 from adaflash_vllm.config import LengthConfig
@@ -262,8 +263,6 @@ class BudgetUse:
 
     def active(self, num_reqs: int, force: bool = False) -> bool:
         """Whether this step chooses (`force`: it must, e.g. a block probe)."""
-        from adaflash_vllm.proposers.draft_gate import batch_bucket
-
         st = self._states.setdefault(batch_bucket(num_reqs), _UseState())
         use = (
             force
@@ -278,8 +277,6 @@ class BudgetUse:
 
     def record(self, num_reqs: int, choice: dict, choose_ms: float) -> None:
         """After a choice: its predicted gain and its own time (ms)."""
-        from adaflash_vllm.proposers.draft_gate import batch_bucket
-
         st = self._states.setdefault(batch_bucket(num_reqs), _UseState())
         full = choice["full_k_tokens_per_ms"]
         gain = choice["tokens_per_ms"] / full - 1.0 if full > 0 else 0.0

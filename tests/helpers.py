@@ -188,11 +188,7 @@ def shutdown(llm) -> None:
 
 
 def greedy(llm, prompts: list[str], max_tokens: int = 32) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy_with_cache_hits(llm, prompts, max_tokens)[0]
 
 
 def greedy_with_cache_hits(
