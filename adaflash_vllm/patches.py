@@ -48,7 +48,9 @@ W1. `vllm.v1.worker.gpu_model_runner.DFlashProposer` (module attribute)
     Why: the runner builds its proposer by name; there is no proposer hook for
     DFlash (`custom_class` gets neither hidden states nor KV cache).
     How: point the name at `AdaFlashProposer`, a subclass (isinstance checks keep
-    passing). Upstream: none. Delete if vLLM grows a proposer-class option.
+    passing). The subclass overrides `_sample_draft_tokens` and `_greedy_sample`;
+    their signatures are checked too, since a rename would bypass the overrides.
+    Upstream: none. Delete if vLLM grows a proposer-class option.
 
 W2. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.take_draft_token_ids`
     Why: the runner hands the scheduler all K drafts per request; AdaFlash
@@ -266,6 +268,13 @@ def apply_worker_patches() -> None:
             )
         _check_signature(
             DFlashProposer, "__init__", ("self", "vllm_config", "device", "runner")
+        )
+        # Methods AdaFlashProposer overrides: a rename would silently bypass them.
+        _check_signature(DFlashProposer, "_greedy_sample", ("self", "hidden_states"))
+        _check_signature(
+            DFlashProposer,
+            "_sample_draft_tokens",
+            ("self", "hidden_states", "sampling_metadata"),
         )
         _install("W1", gmr, "DFlashProposer", AdaFlashProposer)
     if not is_applied("W2"):

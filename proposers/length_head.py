@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from adaflash_vllm.proposers.row_max import top_two
 from adaflash_vllm.training.checkpoint import HEAD_FILE
 from safetensors.torch import load_file
 from torch import nn
@@ -53,25 +54,37 @@ _LOGP_FLOOR = -30.0
 HIDDEN_DROPOUT = 0.5
 
 
-_CONFIDENCE_ROWS = 256  # rows per chunk: bounds the fp32 temporaries (large V)
+# Elements per chunk of rows: on a CPU a chunk that stays in the core's cache
+# (1 MiB of fp32) makes each pass over it cheap; on an accelerator, large chunks
+# keep the launches few and still bound the fp32 temporaries (~128 MiB each).
+_CHUNK_ELEMENTS = {"cpu": 1 << 18}
+_CHUNK_ELEMENTS_DEFAULT = 1 << 25
+_Z_FLOOR = -80.0  # logits this far below the top add nothing to p or entropy
 
 
 def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
     """Per-slot confidence features [..., 3] from drafter logits [..., V]:
-    (log p_top1, top1 - top2 logit margin, entropy), in fp32. Rows are processed
-    in chunks, so a 150k vocabulary costs ~150 MB of temporaries, not gigabytes."""
+    (log p_top1, top1 - top2 logit margin, entropy), in fp32.
+
+    With z = x - max(x) (clamped at -80, where exp underflows) and s = sum e^z:
+    log p_top1 = -log s and entropy = log s - sum(e^z z) / s, so one exp pass
+    gives both. Rows go in chunks sized to the device (`_CHUNK_ELEMENTS`), so a
+    150k vocabulary never needs gigabytes of temporaries."""
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], CONFIDENCE_FEATURES, device=logits.device)
-    for start in range(0, flat.shape[0], _CONFIDENCE_ROWS):
-        x = flat[start : start + _CONFIDENCE_ROWS].float()
-        lse = torch.logsumexp(x, dim=-1)
-        top2 = x.topk(2, dim=-1).values
-        # entropy = lse - sum_v p_v x_v (p_v = 0 where x_v = -inf)
-        entropy = lse - (torch.softmax(x, dim=-1) * x).nan_to_num(0.0).sum(-1)
+    budget = _CHUNK_ELEMENTS.get(logits.device.type, _CHUNK_ELEMENTS_DEFAULT)
+    step = max(1, budget // max(1, flat.shape[1]))
+    for start in range(0, flat.shape[0], step):
+        x = flat[start : start + step].float()
+        top2 = top_two(x)
+        z = (x - top2[:, :1]).clamp_min_(_Z_FLOOR)
+        e = z.exp()
+        total = e.sum(-1)
+        log_total = total.log()
         rows = out[start : start + x.shape[0]]
-        rows[:, 0] = (top2[:, 0] - lse).clamp_min(_LOGP_FLOOR)
+        rows[:, 0] = (-log_total).clamp_min(_LOGP_FLOOR)
         rows[:, 1] = (top2[:, 0] - top2[:, 1]).clamp(0.0, _MARGIN_CAP)
-        rows[:, 2] = entropy
+        rows[:, 2] = log_total - torch.linalg.vecdot(e, z) / total
     return out.view(*logits.shape[:-1], CONFIDENCE_FEATURES)
 
 

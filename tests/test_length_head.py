@@ -110,18 +110,33 @@ def test_survival_head_refuses_another_k():
         head.survival(torch.randn(2, 5, 8), torch.randn(2, 5, 3))
 
 
-def test_draft_confidence_matches_its_definition():
-    """(log p_top1, top1 - top2 logit, entropy), with -inf logits handled."""
-    logits = torch.randn(6, 30) * 3
-    logits[0, 5:] = float("-inf")
-    conf = draft_confidence(logits)
+def _reference_confidence(logits):
+    """The features' definition, term by term."""
     logp = logits.log_softmax(-1)
     p = logp.exp()
-    top2 = logits.topk(2, -1).values
-    assert torch.allclose(conf[:, 0], logp.max(-1).values, atol=1e-5)
-    assert torch.allclose(conf[:, 1], top2[:, 0] - top2[:, 1], atol=1e-5)
-    ent = -(p * logp.nan_to_num(0.0, neginf=0.0)).sum(-1)
-    assert torch.allclose(conf[:, 2], ent, atol=1e-5)
+    top2 = logits.topk(2, -1).values if logits.shape[-1] > 1 else None
+    margin = top2[:, 0] - top2[:, 1] if top2 is not None else torch.zeros(len(p))
+    entropy = -(p * logp.nan_to_num(0.0, neginf=0.0)).sum(-1)
+    return logp.max(-1).values, margin.clamp(0.0, 30.0), entropy
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 30, 64, 65, 130, 4096, 4100])
+def test_draft_confidence_matches_its_definition(vocab):
+    """(log p_top1, top1 - top2 logit, entropy) for vocabularies that fill the
+    top-2 search's column blocks, leave a tail or fit none, with -inf logits
+    and tied tops handled."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab) * 3
+    logits[0, 2:] = float("-inf")
+    logits[1, -1] = logits[1].max()  # the top tied, far apart
+    logits[2] = 1.0  # uniform: every token tied
+    conf = draft_confidence(logits)
+    logp, margin, entropy = _reference_confidence(logits)
+    assert torch.allclose(conf[:, 0], logp, atol=1e-5)
+    assert torch.allclose(conf[:, 1], margin, atol=1e-5)
+    assert torch.allclose(conf[:, 2], entropy, atol=1e-4)
+    if vocab > 1:
+        assert conf[1, 1] == 0 and conf[2, 1] == 0
     assert torch.isfinite(conf).all()
 
 
@@ -178,6 +193,6 @@ def test_draft_confidence_in_chunks_equals_one_pass(monkeypatch):
 
     logits = torch.randn(2, 7, 50)
     whole = draft_confidence(logits)
-    monkeypatch.setattr(lh, "_CONFIDENCE_ROWS", 3)
+    monkeypatch.setitem(lh._CHUNK_ELEMENTS, "cpu", 3 * 50)  # 3 rows a chunk
     assert torch.equal(draft_confidence(logits), whole)
     assert whole.shape == (2, 7, 3)
