@@ -1,7 +1,8 @@
-"""What do the drafts' confidence features cost? Times `draft_confidence`
-(log p_top1, top-1/top-2 margin, entropy per draft slot) against the features'
-term-by-term definition (logsumexp, topk and softmax over each whole row, as
-AdaFlash computed them before 2026-12-02) on random logits of the demo's
+"""What do the drafts' confidence features and greedy argmax cost? Times
+`draft_confidence` (log p_top1, top-1/top-2 margin, entropy per draft slot)
+against the features' term-by-term definition (logsumexp, topk and softmax over
+each whole row, as AdaFlash computed them before 2026-12-02), and the drafts'
+argmax (`row_max.first_argmax` against `argmax`), on random logits of the demo's
 vocabulary (4,096) for one request (7 slots) and 32 requests (224 slots), on one
 thread, median of 100 interleaved repeats per size.
 
@@ -16,6 +17,7 @@ import time
 
 import torch
 from adaflash_vllm.proposers.length_head import draft_confidence
+from adaflash_vllm.proposers.row_max import first_argmax
 
 
 def term_by_term(logits: torch.Tensor) -> torch.Tensor:
@@ -31,7 +33,12 @@ def term_by_term(logits: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     torch.set_num_threads(1)
     logits = {rows: torch.randn(rows, 4096) * 3 for rows in (7, 224)}
-    ways = {"draft_confidence": draft_confidence, "term_by_term": term_by_term}
+    ways = {
+        "draft_confidence": draft_confidence,
+        "term_by_term": term_by_term,
+        "first_argmax": first_argmax,
+        "argmax": lambda x: x.argmax(-1),
+    }
     times = {(rows, way): [] for rows in logits for way in ways}
     for rows, x in logits.items():
         for _ in range(100):
@@ -40,10 +47,11 @@ def main() -> None:
                 features(x)
                 times[rows, way].append(1e3 * (time.perf_counter() - started))
     for rows in logits:
-        ours, naive = (statistics.median(times[rows, way]) for way in ways)
+        ours, naive, fast, plain = (statistics.median(times[rows, w]) for w in ways)
         print(
             f"{rows:4d} slots x 4096: draft_confidence {ours:.3f} ms, "
-            f"term by term {naive:.3f} ms ({naive / ours:.2f}x)"
+            f"term by term {naive:.3f} ms ({naive / ours:.2f}x); "
+            f"first_argmax {fast:.3f} ms, argmax {plain:.3f} ms ({plain / fast:.2f}x)"
         )
 
 

@@ -10,6 +10,15 @@ from __future__ import annotations
 import torch
 
 BLOCK = 64  # columns per block
+# Below this many elements torch's kernel wins (its fewer ops beat the passes
+# saved; ~7 rows of a 4,096 vocabulary on the CI machine: examples/bench_confidence.py).
+MIN_ELEMENTS = 1 << 15
+
+
+def _use_blocks(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu" and x.shape[1] >= 2 * BLOCK and x.numel() >= MIN_ELEMENTS
+    )
 
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +37,7 @@ def _best_block(blocks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def top_two(x: torch.Tensor) -> torch.Tensor:
     """[R, 2]: each row's two largest values (equal when the top is tied); a
     one-column row repeats its value."""
-    if x.device.type != "cpu" or x.shape[1] < 2 * BLOCK:
+    if not _use_blocks(x):
         if x.shape[1] == 1:
             return x.expand(x.shape[0], 2)
         return x.topk(2, -1).values
@@ -44,7 +53,7 @@ def top_two(x: torch.Tensor) -> torch.Tensor:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """[R] int64: each row's index of its first largest value, as `x.argmax(-1)`."""
-    if x.device.type != "cpu" or x.shape[1] < 2 * BLOCK:
+    if not _use_blocks(x):
         return x.argmax(-1)
     blocks, tail = _blocks(x)
     block_max = blocks.amax(-1)

@@ -4,7 +4,14 @@ tail or fill no block."""
 
 import pytest
 import torch
+from adaflash_vllm.proposers import row_max
 from adaflash_vllm.proposers.row_max import first_argmax, top_two
+
+
+@pytest.fixture(autouse=True)
+def _always_blocks(monkeypatch):
+    """Take the block search at every size these tests use (12 rows)."""
+    monkeypatch.setattr(row_max, "MIN_ELEMENTS", 0)
 
 
 def _rows(vocab: int, seed: int) -> torch.Tensor:
@@ -41,3 +48,10 @@ def test_tail_tie_keeps_the_earlier_index():
     assert first_argmax(x).item() == 5
     x[0, 129] = 3.0
     assert first_argmax(x).item() == 129
+
+
+def test_small_inputs_use_torch_kernels(monkeypatch):
+    monkeypatch.setattr(row_max, "MIN_ELEMENTS", 1 << 15)
+    assert not row_max._use_blocks(torch.zeros(7, 4096))
+    assert row_max._use_blocks(torch.zeros(8, 4096))
+    assert row_max._use_blocks(torch.zeros(1, 151936))
