@@ -43,7 +43,7 @@ def top_two(x: torch.Tensor) -> torch.Tensor:
         return x.topk(2, -1).values
     blocks, tail = _blocks(x)
     block_max = blocks.amax(-1)
-    best_two = block_max.topk(min(2, block_max.shape[1]), -1)
+    best_two = block_max.topk(2, -1)  # _use_blocks: at least two blocks
     inside = _best_block(blocks, best_two.indices[:, 0])
     candidates = [best_two.values[:, 1:], inside.topk(2, -1).values]
     if tail.shape[1]:

@@ -120,11 +120,17 @@ def _reference_confidence(logits):
     return logp.max(-1).values, margin.clamp(0.0, 30.0), entropy
 
 
+@pytest.mark.parametrize("block_search", [True, False])
 @pytest.mark.parametrize("vocab", [1, 3, 30, 64, 65, 130, 4096, 4100])
-def test_draft_confidence_matches_its_definition(vocab):
+def test_draft_confidence_matches_its_definition(vocab, block_search, monkeypatch):
     """(log p_top1, top1 - top2 logit, entropy) for vocabularies that fill the
     top-2 search's column blocks, leave a tail or fit none, with -inf logits
-    and tied tops handled."""
+    and tied tops handled; through the block search (forced at this size) and
+    through torch's topk (what 6 rows get by default)."""
+    from adaflash_vllm.proposers import row_max
+
+    if block_search:
+        monkeypatch.setattr(row_max, "MIN_ELEMENTS", 0)
     torch.manual_seed(vocab)
     logits = torch.randn(6, vocab) * 3
     logits[0, 2:] = float("-inf")
