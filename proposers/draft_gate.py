@@ -45,7 +45,14 @@ batch: with few requests drafting's rate follows their text, and a stretch of ea
 text missed costs several times what a check during a hard one does.
 
 The engine runs one such gate per batch-size bucket (`BatchSizeGates`): rates in
-tokens per ms are only compared between rounds of about the same batch size.
+tokens per ms are only compared between rounds of about the same batch size. What
+drafting gains shrinks as the batch grows (verification turns compute-bound), so
+once a smaller batch's gate skips decisively, a larger batch's gate is *held*: it
+starts skipping when new, drafting there must win decisively (by `decisive_margin`
+beyond the noise) in either direction, and while skipping it checks drafting only
+at its longest backoff. Without this, under load a bucket seen for a few steps per
+drain went back to drafting on a lead within the noise (1.36 against 1.14 tokens
+per ms at 48 requests) while every smaller bucket skipped.
 """
 
 from __future__ import annotations
@@ -94,6 +101,11 @@ class DraftGate:
     drafted_steps: int = 0
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
+    # A smaller batch's gate skips decisively (set by BatchSizeGates each step):
+    # drafting must win decisively here; `held_settled`: the last exploration
+    # ended while held
+    held: bool = False
+    held_settled: bool = False
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
@@ -118,7 +130,9 @@ class DraftGate:
             self._explore(num_reqs)  # fewer requests: drafting may pay again
             draft = True
         elif (
-            self.step >= self.explore_at or self._draft_rate_fell()
+            self.step >= self.explore_at
+            or self._draft_rate_fell()
+            or (self.held and self.drafting and not self.held_settled)
         ) and self._worth_exploring():
             self._explore(num_reqs)
             draft = not self.drafting
@@ -181,6 +195,28 @@ class DraftGate:
             self.skip_rate.den += share
         self.context_ms += share
 
+    def skips_decisively(self) -> bool:
+        """Following skipping, and its last measured rate beats drafting's by
+        `decisive_margin` (both modes measured here)."""
+        d, s = self.draft_rate.ratio(), self.skip_rate.ratio()
+        return (
+            not self.drafting
+            and d is not None
+            and s is not None
+            and s >= self.decisive_margin * d
+        )
+
+    def start_held(self, num_reqs: int) -> None:
+        """A new gate whose smaller batches skip decisively: skip, and check
+        drafting after the longest backoff."""
+        self.drafting, self.held, self.held_settled = False, True, True
+        self.interval = self._skip_cap(num_reqs)
+        self.explore_at = self.step + self.interval
+
+    def _skip_cap(self, num_reqs: int) -> int:
+        cap = self.skip_interval_per_request * max(num_reqs, 1)
+        return min(self.skip_max_interval, max(self.min_interval, cap))
+
     def _worth_exploring(self) -> bool:
         if not self.drafting:
             return True
@@ -211,7 +247,12 @@ class DraftGate:
                 self.switch_z
                 * (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
             )
-            if self.drafting:
+            if self.held:
+                # Smaller batches skip decisively: drafting gains less here, so it
+                # must win by `decisive_margin` beyond the noise, whichever mode
+                # is being followed.
+                best = d > self.decisive_margin * s + noise
+            elif self.drafting:
                 # Skipping must also beat drafting's long-run rate: a few rejected
                 # rounds in a row are common in text drafting serves well, and at
                 # one request skipping them lost 6% (BENCHMARKS.md, the gate at
@@ -250,8 +291,10 @@ class DraftGate:
             # Few requests: drafting's rate follows their text, which turns easy
             # again within a few rounds, and missing that costs far more (3-4x
             # plain's rate at one request) than exploring a hard stretch (-25%).
-            cap = self.skip_interval_per_request * max(self.switch_batch, 1)
-            self.interval = min(self.interval, max(self.min_interval, cap))
+            cap = self._skip_cap(self.switch_batch)
+            # Held: smaller batches check drafting for this one (the longest wait).
+            self.interval = cap if self.held else min(self.interval, cap)
+        self.held_settled = self.held
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
 
@@ -285,6 +328,7 @@ class DraftGate:
             "skip_rate_noise": self.rate_noise(False),
             "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
+            "held": self.held,
         }
 
 
@@ -311,7 +355,8 @@ class BatchSizeGates:
     32 requests for long stretches, where stock DFlash delivers 0.6-0.7x of
     plain decoding. Per bucket, what a bucket learnt holds the next time the batch
     is back in it, and a tail needs no re-learning at 32 either. A bucket seen for
-    the first time starts in the mode of the bucket before it.
+    the first time starts in the mode of the bucket before it, or held and skipping
+    when a smaller bucket skips decisively (see the module's docstring).
     """
 
     template: DraftGate = field(default_factory=DraftGate)  # fresh buckets' settings
@@ -324,10 +369,19 @@ class BatchSizeGates:
     def should_draft(self, num_reqs: int) -> bool:
         bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
         gate = self.gates.get(bucket)
+        held = self.per_batch_size and any(
+            b < bucket and g.skips_decisively() for b, g in self.gates.items()
+        )
         if gate is None:
             gate = self.gates[bucket] = copy.deepcopy(self.template)
-            if self.current is not None:
+            if held:
+                gate.start_held(num_reqs)
+            elif self.current is not None:
                 gate.drafting = self.current.drafting
+        if gate.held and not held and not gate.drafting:
+            # No longer held: the smaller batch went back to drafting; check soon.
+            gate.explore_at = min(gate.explore_at, gate.step + gate.min_interval)
+        gate.held = held
         self.current = gate
         following = gate.drafting
         draft = gate.should_draft(num_reqs)

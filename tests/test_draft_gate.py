@@ -420,3 +420,60 @@ def test_configure_sets_every_bucket_and_refuses_unknown_fields():
     gates.should_draft(8)
     gates.should_draft(64)
     assert sorted(gates.gates) == [0, 4, 32]
+
+
+def _skipping_at_16(gates: BatchSizeGates) -> None:
+    """Bucket 16 learns that skipping wins decisively (1.5x drafting's rate)."""
+    _serve(gates, 100, draft_rate=1.0, skip_rate=1.5, b=16)
+    assert gates.gates[16].skips_decisively()
+
+
+def test_a_smaller_batch_skipping_decisively_holds_larger_buckets():
+    """Drafting gains less as the batch grows: a bucket above one that skips
+    decisively starts skipping and checks drafting only at its longest backoff,
+    even where drafting's measured lead (1.15x) would switch an unheld gate."""
+    gates = BatchSizeGates()
+    _skipping_at_16(gates)
+    modes = _serve(gates, 500, draft_rate=1.15, skip_rate=1.0, b=32)
+    held = gates.gates[32]
+    assert held.held and not held.drafting
+    assert held.interval == 512  # min(skip_max_interval, 16 x 32 requests)
+    assert modes.count(True) == 0  # its first check comes after 512 steps
+    unheld = BatchSizeGates()
+    _serve(unheld, 500, draft_rate=1.15, skip_rate=1.0, b=32)
+    assert unheld.gates[32].drafting  # the same lead, no smaller bucket skipping
+
+
+@pytest.mark.parametrize(("lead", "drafts"), [(1.15, False), (1.6, True)])
+def test_a_held_gate_drafts_only_on_a_decisive_win(lead, drafts):
+    gates = BatchSizeGates()
+    _skipping_at_16(gates)
+    _serve(gates, 5, draft_rate=lead, skip_rate=1.0, b=32)  # skipped rounds
+    held = gates.gates[32]
+    held.explore_at = held.step + 1  # check drafting now
+    _serve(gates, 40, draft_rate=lead, skip_rate=1.0, b=32)
+    assert held.draft_rate.count  # drafting was explored
+    assert held.drafting == drafts
+
+
+def test_a_drafting_bucket_checks_skipping_at_once_when_held():
+    """Bucket 32 drafts on a lead within the decisive margin; once bucket 16 skips
+    decisively, 32 explores skipping at its next step and follows it."""
+    gates = BatchSizeGates()
+    _serve(gates, 60, draft_rate=1.1, skip_rate=1.0, b=32)
+    assert gates.gates[32].drafting
+    _skipping_at_16(gates)
+    modes = _serve(gates, 12, draft_rate=1.1, skip_rate=1.0, b=32)
+    assert modes[:3] == [False] * 3  # the exploration, at once
+    assert not gates.gates[32].drafting and gates.gates[32].held
+
+
+def test_a_released_bucket_checks_drafting_soon():
+    gates = BatchSizeGates()
+    _skipping_at_16(gates)
+    _serve(gates, 20, draft_rate=1.6, skip_rate=1.0, b=32)
+    assert gates.gates[32].held and gates.gates[32].explore_at > 500
+    gates.gates[16].drafting = True  # the smaller bucket drafts again
+    modes = _serve(gates, 20, draft_rate=1.6, skip_rate=1.0, b=32)
+    assert not gates.gates[32].held
+    assert True in modes[:10]  # drafting checked within min_interval steps
