@@ -196,15 +196,17 @@ class DraftGate:
         self.context_ms += share
 
     def skips_decisively(self) -> bool:
-        """Following skipping, and its last measured rate beats drafting's by
-        `decisive_margin` (both modes measured here)."""
+        """Following skipping, and its last measured rate beats drafting's, both
+        the recent one and the long-run one (`draft_rate_slow`), by
+        `decisive_margin` and by more than `switch_z` standard errors. With one
+        or two requests a round's rate follows its text, and a hard stretch there
+        must not hold every larger batch."""
         d, s = self.draft_rate.ratio(), self.skip_rate.ratio()
-        return (
-            not self.drafting
-            and d is not None
-            and s is not None
-            and s >= self.decisive_margin * d
-        )
+        if self.drafting or d is None or s is None:
+            return False
+        d = max(d, self.draft_rate_slow.ratio() or 0.0)
+        noise = (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
+        return s >= self.decisive_margin * d and s - d > self.switch_z * noise
 
     def start_held(self, num_reqs: int) -> None:
         """A new gate whose smaller batches skip decisively: skip, and check

@@ -477,3 +477,27 @@ def test_a_released_bucket_checks_drafting_soon():
     modes = _serve(gates, 20, draft_rate=1.6, skip_rate=1.0, b=32)
     assert not gates.gates[32].held
     assert True in modes[:10]  # drafting checked within min_interval steps
+
+
+@pytest.mark.parametrize(
+    ("spread", "skip_ms", "decisive"), [(True, 48.5, False), (False, 41.0, True)]
+)
+def test_a_skip_holds_larger_batches_only_when_decisive_in_the_long_run(
+    spread, skip_ms, decisive
+):
+    """At one request a drafting round emits 1 to K + 1 tokens, and its recent
+    rate after a run of rejections is far below its long-run one: skipping's
+    1.1x lead on average holds no larger bucket, though the recent rates show
+    more than 1.25x; a 1.3x lead over a steady drafting rate does."""
+    gates = BatchSizeGates()
+    gates.should_draft(1)
+    one = gates.gates[1]
+    one.drafting = False
+    for i in range(40):
+        tokens = (8.0 if i % 8 == 3 else 1.0) if spread else 1.875
+        gates.record_round(drafted=True, tokens=tokens, ms=100.0)
+        gates.record_round(drafted=False, tokens=1.0, ms=skip_ms)
+    assert one.skip_rate.ratio() > 1.25 * one.draft_rate.ratio()
+    assert one.skips_decisively() == decisive
+    gates.should_draft(4)
+    assert gates.gates[4].held == decisive
