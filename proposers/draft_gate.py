@@ -48,11 +48,12 @@ The engine runs one such gate per batch-size bucket (`BatchSizeGates`): rates in
 tokens per ms are only compared between rounds of about the same batch size. What
 drafting gains shrinks as the batch grows (verification turns compute-bound), so
 once a smaller batch's gate skips decisively, a larger batch's gate is *held*: it
-starts skipping when new, drafting there must win decisively (by `decisive_margin`
-beyond the noise) in either direction, and while skipping it checks drafting only
-at its longest backoff. Without this, under load a bucket seen for a few steps per
-drain went back to drafting on a lead within the noise (1.36 against 1.14 tokens
-per ms at 48 requests) while every smaller bucket skipped.
+starts skipping when new, explores skipping at once if it was drafting, follows
+drafting only while drafting delivers `decisive_margin` times skipping's rate (and,
+to switch back to it, by more than the noise), and while skipping it checks
+drafting only at its longest backoff. Without this, under load a bucket seen for a
+few steps per drain went back to drafting on a lead within the noise (1.36 against
+1.14 tokens per ms at 48 requests) while every smaller bucket skipped.
 """
 
 from __future__ import annotations
@@ -251,9 +252,12 @@ class DraftGate:
             )
             if self.held:
                 # Smaller batches skip decisively: drafting gains less here, so it
-                # must win by `decisive_margin` beyond the noise, whichever mode
-                # is being followed.
-                best = d > self.decisive_margin * s + noise
+                # is followed only while it delivers `decisive_margin` times
+                # skipping's rate, and a switch back to it must also beat the
+                # noise. (Not "margin beyond the noise" while drafting: at 4
+                # requests a 1.46x lead was within it, and the bucket flipped.)
+                lead = d >= self.decisive_margin * s
+                best = lead if self.drafting else lead and d > s + noise
             elif self.drafting:
                 # Skipping must also beat drafting's long-run rate: a few rejected
                 # rounds in a row are common in text drafting serves well, and at

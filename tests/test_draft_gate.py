@@ -501,3 +501,23 @@ def test_a_skip_holds_larger_batches_only_when_decisive_in_the_long_run(
     assert one.skips_decisively() == decisive
     gates.should_draft(4)
     assert gates.gates[4].held == decisive
+
+
+def test_a_held_bucket_keeps_drafting_on_a_clear_but_noisy_lead():
+    """At 4 requests drafting's rounds swing (0.15 to 0.40 tokens per ms, 1.46x
+    skipping's 0.188 on average): held by a decisive skip at 2 requests, the
+    bucket checks skipping once and keeps drafting."""
+    gates = BatchSizeGates()
+    _serve(gates, 100, draft_rate=0.1, skip_rate=0.15, b=2)
+    assert gates.gates[2].skips_decisively()
+    modes, last, i = [], None, 0
+    for i in range(120):
+        if last is not None:
+            rate = (0.15 if i % 2 else 0.40) if last else 0.188
+            gates.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
+        last = gates.should_draft(4)
+        modes.append(last)
+    four = gates.gates[4]
+    assert four.held and four.drafting
+    assert four.rate_noise(True) > 0.04  # a lead of 1.25x plus the noise: not met
+    assert modes[60:].count(False) <= 2 * 4  # explorations of skipping only
