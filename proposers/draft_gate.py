@@ -103,8 +103,8 @@ class DraftGate:
     skipped_steps: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
     # A smaller batch's gate skips decisively (set by BatchSizeGates each step):
-    # drafting must win decisively here; `held_settled`: the last exploration
-    # ended while held
+    # drafting is followed here only on a decisive lead; `held_settled`: the last
+    # exploration ended while held
     held: bool = False
     held_settled: bool = False
 

@@ -510,7 +510,7 @@ def test_a_held_bucket_keeps_drafting_on_a_clear_but_noisy_lead():
     gates = BatchSizeGates()
     _serve(gates, 100, draft_rate=0.1, skip_rate=0.15, b=2)
     assert gates.gates[2].skips_decisively()
-    modes, last, i = [], None, 0
+    modes, last = [], None
     for i in range(120):
         if last is not None:
             rate = (0.15 if i % 2 else 0.40) if last else 0.188
