@@ -165,6 +165,10 @@ class DraftGate:
         var = max(sq - mean * mean, 0.0)
         return (var * self.ema / (2.0 - self.ema)) ** 0.5
 
+    def _difference_noise(self) -> float:
+        """Standard error of the difference between the two modes' rates."""
+        return (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
+
     def record_draft(
         self,
         *,
@@ -206,8 +210,8 @@ class DraftGate:
         if self.drafting or d is None or s is None:
             return False
         d = max(d, self.draft_rate_slow.ratio() or 0.0)
-        noise = (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
-        return s >= self.decisive_margin * d and s - d > self.switch_z * noise
+        noise = self.switch_z * self._difference_noise()
+        return s >= self.decisive_margin * d and s - d > noise
 
     def start_held(self, num_reqs: int) -> None:
         """A new gate whose smaller batches skip decisively: skip, and check
@@ -246,10 +250,7 @@ class DraftGate:
             # Switch only when the other mode wins by more than the rates' noise:
             # at low load a drafting round emits 1 to K + 1 tokens, and an EMA that
             # dips below skipping's steady rate by chance would switch often.
-            noise = (
-                self.switch_z
-                * (self.rate_noise(True) ** 2 + self.rate_noise(False) ** 2) ** 0.5
-            )
+            noise = self.switch_z * self._difference_noise()
             if self.held:
                 # Smaller batches skip decisively: drafting gains less here, so it
                 # is followed only while it delivers `decisive_margin` times
