@@ -129,25 +129,48 @@ def profile_step_costs(
     run: Callable[[int], object],
     sizes: list[int],
     *,
-    repeats: int = 3,
+    passes: int = 5,
     sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> StepCostModel:
-    """Time `run(n)` (a dummy forward of n tokens) for each size; median of repeats."""
-    times = []
+    """Time `run(n)` (a dummy forward of n tokens) at every size.
+
+    After one warm-up pass, `passes` timed passes visit every size in turn,
+    forward and backward alternately, and the cost at n is its fastest sample.
+    Contention only ever adds time, and a slow spell of the machine then lands on
+    every size of a pass instead of on the sizes timed during it: taken size by
+    size (median of 3), one spell that ended midway made a step in the curve, 3.4
+    ms between 4 and 8 tokens at one request, whose real steps cost the same
+    there (BENCHMARKS run 15).
+
+    A rise between neighbouring sizes that is within the noise (the larger of the
+    two sizes' gaps between their fastest and next fastest samples) is taken as
+    flat. Errors toward flat
+    correct themselves online: budgets then verify those counts and their steps
+    lift the curve. Errors toward steep do not: budgets avoid the counts, whose
+    points are never measured again."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
     for n in sizes:
         run(n)  # warm-up
-        samples = []
-        for _ in range(repeats):
+    for p in range(passes):
+        for n in sizes if p % 2 == 0 else reversed(sizes):
             if sync:
                 sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             run(n)
             if sync:
                 sync()
-            samples.append(1e3 * (time.perf_counter() - t0))
-        times.append(sorted(samples)[len(samples) // 2])
-    for j in range(1, len(times)):  # noise must not make more tokens cheaper
-        times[j] = max(times[j], times[j - 1])
+            samples[n].append(1e3 * (clock() - t0))
+    ranked = [sorted(samples[n]) for n in sizes]
+    fastest = [r[0] for r in ranked]
+    # The fastest sample's uncertainty: how far the next fastest is from it.
+    spread = [r[1] - r[0] if len(r) > 1 else 0.0 for r in ranked]
+    times = [fastest[0]]
+    for j in range(1, len(sizes)):
+        noise = max(spread[j], spread[j - 1])
+        times.append(times[-1] if fastest[j] - times[-1] <= noise else fastest[j])
     return StepCostModel(sizes, times)
 
 

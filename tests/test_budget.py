@@ -174,12 +174,72 @@ def test_allocation_is_the_same_with_a_plain_callable_curve():
 
 def test_profile_and_online_refresh():
     calls = []
-    model = profile_step_costs(lambda n: calls.append(n), [1, 4, 16], repeats=2)
+    model = profile_step_costs(lambda n: calls.append(n), [1, 4, 16], passes=2)
     assert sorted(set(calls)) == [1, 4, 16] and model(8) >= model(4) > 0
     before = model(16)
     for _ in range(20):
         model.observe(16, before * 3)
     assert model(16) > 2 * before and model.observations == 20
+
+
+class _ContendedMachine:
+    """A fake clock and dummy forward: n tokens cost `true_ms(n)`, and twice
+    that (another process on the core) until `busy_until_ms`."""
+
+    def __init__(self, true_ms, busy_until_ms: float):
+        self.now_ms, self.true_ms, self.busy_until_ms = 0.0, true_ms, busy_until_ms
+
+    def run(self, n: int) -> None:
+        cost = self.true_ms(n)
+        self.now_ms += 2 * cost if self.now_ms < self.busy_until_ms else cost
+
+    def clock(self) -> float:
+        return self.now_ms / 1e3
+
+
+def _true_step_ms(n: int) -> float:
+    """Flat to 16 tokens (the step's fixed part), then 0.1 ms per token."""
+    return 18.0 + 0.1 * max(0, n - 16)
+
+
+@pytest.mark.parametrize("busy_until_ms", [0.0, 300.0, 700.0])
+def test_profile_is_not_bent_by_a_slow_spell_that_ends_midway(busy_until_ms):
+    """Contention during part of the profile (run 15: a served C = 1 profile read
+    41.4 ms at 1-4 tokens and 44.8 at 8, where a step takes ~18 ms) must not
+    make a slope where steps cost the same; the real slope above 16 stays."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    m = _ContendedMachine(_true_step_ms, busy_until_ms)
+    model = profile_step_costs(m.run, sizes, clock=m.clock)
+    assert m.now_ms > busy_until_ms  # the spell did end inside the profile
+    assert [model(n) for n in (1, 2, 4, 8)] == pytest.approx([18.0] * 4, abs=1e-6)
+    assert model(128) - model(16) == pytest.approx(11.2, abs=1e-6)
+
+
+def test_profile_errs_toward_flat_when_the_spell_covers_most_passes():
+    """With one clean pass the noise is as large as the step itself: the curve
+    comes out flat (budgets then verify those counts and steps lift it), never
+    steeper than the truth."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    m = _ContendedMachine(_true_step_ms, busy_until_ms=1200.0)
+    model = profile_step_costs(m.run, sizes, clock=m.clock)
+    assert model(128) - model(1) <= 11.2 + 1e-6
+    assert model(1) == pytest.approx(18.0)
+
+
+def test_profile_takes_a_rise_within_the_noise_as_flat():
+    """Sizes whose fastest samples are less apart than each size's fastest two
+    are one cost; a rise beyond that stays."""
+    jitter = [0.6, 0.0, 1.2, 0.9, 1.5, 0.6]  # warm-up, then passes 1-5 (ms)
+    calls: dict[int, int] = {}
+    now = [0.0]
+
+    def run(n: int) -> None:
+        i = calls[n] = calls.get(n, -1) + 1
+        now[0] += 20.0 + 0.05 * n + (3.0 if n == 64 else 0.0) + jitter[i]
+
+    model = profile_step_costs(run, [1, 2, 4, 8, 64], clock=lambda: now[0] / 1e3)
+    assert model(8) == pytest.approx(model(1)) == pytest.approx(20.05)
+    assert model(64) == pytest.approx(20.0 + 3.2 + 3.0)
 
 
 def test_one_hiccup_moves_the_curve_a_bounded_step():
