@@ -76,7 +76,7 @@ class AdmissionConfig(_Struct):
 class MetricsConfig(_Struct):
     """AdaFlash counters on vLLM's /metrics (and LLM.get_metrics())."""
 
-    publish_interval_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
+    publish_interval_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 1.0
     # The engine core publishes its counters at most this often (0 = every step).
 
 

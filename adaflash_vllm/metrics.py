@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -67,6 +68,10 @@ class RoundStats:
         }
 
 
+# numpy scalars among the gauges: as Python numbers.
+_ENCODER = msgspec.json.Encoder(enc_hook=lambda x: x.item())
+
+
 class StatsPublisher:
     """Writes `RoundStats` snapshots to `path` at most every `interval_s` seconds."""
 
@@ -83,8 +88,8 @@ class StatsPublisher:
         self._last = now
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(stats.snapshot(), f)
+            with open(tmp, "wb") as f:
+                f.write(_ENCODER.encode(stats.snapshot()))
             os.replace(tmp, self.path)
             self._failed = False
         except OSError as e:  # full disk, removed dir: metrics stall, serving goes on
