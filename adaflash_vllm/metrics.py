@@ -36,6 +36,10 @@ class RoundStats:
         self.verified_hist = [0] * (k + 1)  # index n-1: rounds that verified n tokens
         self.drafted_per_pos = [0] * k
         self.accepted_per_pos = [0] * k
+        # Rounds (and their 1 + k_i) of speculating steps: steps where some
+        # request verified a draft. A step the draft gate skipped verifies none.
+        self.speculative_rounds = 0
+        self.speculative_verified_tokens = 0
         self.requests_finished = 0
         self.extra: dict[str, float] = {}  # gauges/counters other modules publish
 
@@ -46,6 +50,9 @@ class RoundStats:
         self.rounds += len(num_drafts)
         self.verified_tokens += len(num_drafts) + sum(num_drafts)
         self.accepted_tokens += sum(num_accepted)
+        if any(num_drafts):
+            self.speculative_rounds += len(num_drafts)
+            self.speculative_verified_tokens += len(num_drafts) + sum(num_drafts)
         for k, a in zip(num_drafts, num_accepted, strict=True):
             self.verified_hist[min(k, k_max)] += 1
             for j in range(min(k, k_max)):
@@ -62,6 +69,8 @@ class RoundStats:
             "verified_hist": list(self.verified_hist),
             "drafted_per_pos": list(self.drafted_per_pos),
             "accepted_per_pos": list(self.accepted_per_pos),
+            "speculative_rounds": self.speculative_rounds,
+            "speculative_verified_tokens": self.speculative_verified_tokens,
             "requests_finished": self.requests_finished,
             "extra": dict(self.extra),
             "time": time.time(),
@@ -148,6 +157,16 @@ class AdaFlashCollector:
             "vllm:adaflash_accepted_tokens",
             "Draft tokens accepted.",
             snap["accepted_tokens"],
+        )
+        yield counter(
+            "vllm:adaflash_speculative_rounds",
+            "Rounds of decode steps where some request verified a draft.",
+            snap.get("speculative_rounds", 0),
+        )
+        yield counter(
+            "vllm:adaflash_speculative_verified_tokens",
+            "Tokens the target verified in those rounds.",
+            snap.get("speculative_verified_tokens", 0),
         )
         yield counter(
             "vllm:adaflash_requests_finished",

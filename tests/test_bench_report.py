@@ -161,3 +161,37 @@ def test_gate_extra_is_the_windows_skipped_share():
     assert gate_extra(before, after) == {"gate_skipped_share": 6 / 8}
     assert gate_extra(before, before) == {}  # no step in the window
     assert gate_extra({}, {"drafter_version": 1}) == {}  # no gate exported
+
+
+def test_spec_summary_over_speculating_steps():
+    """AdaFlash: tau and verify length over all rounds and over speculating steps;
+    stock DFlash (vLLM's counters only): every round speculates."""
+    from adaflash_vllm.bench.offline import spec_summary
+
+    ada = {
+        "rounds": 10,
+        "ada_accepted": 6,
+        "verified": 4 + 6 + 6,  # 4 skipped rounds (1 each), 6 rounds of 1 + 1
+        "spec_rounds": 6,
+        "spec_verified": 12,
+        "ada_drafted_per_pos": [6],
+        "ada_accepted_per_pos": [6],
+    }
+    s = spec_summary(ada)
+    assert s["tau"] == 1.6 and s["verify_len"] == 1.6
+    assert s["tau_speculative"] == 2.0 and s["verify_len_speculative"] == 2.0
+    stock = {"rounds": 0, "drafts": 4, "accepted": 6, "draft_tokens": 12}
+    stock["accepted_per_pos"] = [3, 2, 1]
+    s = spec_summary(stock)
+    assert s["tau_speculative"] == s["tau"] == 2.5
+    assert s["verify_len_speculative"] == s["verify_len"] == 4.0
+
+
+def test_sweep_table_shows_speculating_steps():
+    from adaflash_vllm.bench.report import sweep_table
+
+    pt = {"key": 64, "tok_s": 100.0, "tau": 1.1, "verify_len": 1.2}
+    pt |= {"tau_speculative": 3.0, "verify_len_speculative": 4.5}
+    table, summary = sweep_table([_result("adaflash", [pt])])
+    assert "| 1.10 | 1.20 | 3.00 / 4.50 |" in table
+    assert summary["adaflash"]["64"]["tau_speculative"] == 3.0

@@ -21,6 +21,22 @@ def test_round_stats_count_verified_and_accepted_positions():
     assert snap["verified_hist"] == [1, 1, 1, 0, 1]  # index = drafts verified
     assert snap["drafted_per_pos"] == [3, 2, 1, 1]
     assert snap["accepted_per_pos"] == [2, 2, 1, 0]
+    # Both steps verified some draft: every round speculated.
+    assert snap["speculative_rounds"] == 4
+    assert snap["speculative_verified_tokens"] == snap["verified_tokens"]
+
+
+def test_a_step_without_any_draft_is_not_a_speculating_step():
+    """A step the draft gate skipped verifies no request's draft: its rounds count
+    (tau 1 each) but not among speculating steps; a drafting step's rounds with
+    k_i = 0 (the budgets' choice) still do."""
+    stats = RoundStats(4)
+    stats.observe_rounds([0, 0, 0], [0, 0, 0])  # skipped step
+    stats.observe_rounds([4, 0], [2, 0])  # drafting step, one budget of 0
+    snap = stats.snapshot()
+    assert snap["rounds"] == 5 and snap["verified_tokens"] == 3 + 6
+    assert snap["speculative_rounds"] == 2
+    assert snap["speculative_verified_tokens"] == 6
 
 
 def test_admission_tracks_requests_and_verify_length_by_ema():

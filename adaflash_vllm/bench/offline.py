@@ -31,6 +31,8 @@ COUNTERS = {
     "rounds": "vllm:adaflash_rounds",
     "verified": "vllm:adaflash_verified_tokens",
     "ada_accepted": "vllm:adaflash_accepted_tokens",
+    "spec_rounds": "vllm:adaflash_speculative_rounds",
+    "spec_verified": "vllm:adaflash_speculative_verified_tokens",
 }
 GAUGES = {  # AdaFlash state exported as gauges (absent where the feature is off)
     "drafter_version": "vllm:adaflash_drafter_version",
@@ -98,7 +100,10 @@ def gate_extra(before: dict, after: dict) -> dict[str, Any]:
 
 
 def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
-    """tau, mean verify length, rounds and per-position acceptance of a window."""
+    """tau, mean verify length, rounds and per-position acceptance of a window;
+    also tau and verify length over speculating steps only (steps where some
+    request verified a draft; every step of stock DFlash), which leaves out the
+    steps AdaFlash's draft gate ran without a draft."""
     if delta["rounds"] > 0:  # AdaFlash counts every round, k_i = 0 included
         rounds, accepted, verified = (
             delta["rounds"],
@@ -113,11 +118,17 @@ def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
         per_pos = [a / rounds for a in delta["accepted_per_pos"]]
     else:
         return {"tau": 1.0, "verify_len": 1.0, "rounds": 0, "accept_per_pos": []}
+    spec_rounds, spec_verified = rounds, verified
+    if delta["rounds"] > 0:
+        spec_rounds, spec_verified = delta["spec_rounds"], delta["spec_verified"]
     return {
         "tau": 1 + accepted / rounds,
         "verify_len": verified / rounds,
         "rounds": rounds,
         "accept_per_pos": per_pos,
+        # Accepted tokens all come from speculating steps.
+        "tau_speculative": 1 + accepted / spec_rounds if spec_rounds else None,
+        "verify_len_speculative": spec_verified / spec_rounds if spec_rounds else None,
     }
 
 

@@ -34,6 +34,8 @@ _COUNTERS = {
     "rounds": "vllm:adaflash_rounds_total",
     "verified": "vllm:adaflash_verified_tokens_total",
     "ada_accepted": "vllm:adaflash_accepted_tokens_total",
+    "spec_rounds": "vllm:adaflash_speculative_rounds_total",
+    "spec_verified": "vllm:adaflash_speculative_verified_tokens_total",
 }
 
 

@@ -218,8 +218,8 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
     base_by_c = {p["key"]: p["tok_s"] for p in _points(base)} if base else {}
     lines = [
         "| config | C | tok/s (min-max) | speedup vs plain | tau | verify len | "
-        "TTFT p50 ms | TPOT p50 ms | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "tau / verify len, speculating steps | TTFT p50 ms | TPOT p50 ms | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary: dict[str, Any] = {}
     for r in results:
@@ -232,7 +232,9 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
                 f"| {name} | {p['key']} | {p['tok_s']:.1f} "
                 f"({min(runs):.0f}-{max(runs):.0f}) | {_fmt(speedup, 'x')} | "
                 f"{_fmt(p.get('tau'))} | "
-                f"{_fmt(p.get('verify_len'))} | {_fmt(p.get('ttft_ms_p50'), '', 1)} | "
+                f"{_fmt(p.get('verify_len'))} | {_fmt(p.get('tau_speculative'))} / "
+                f"{_fmt(p.get('verify_len_speculative'))} | "
+                f"{_fmt(p.get('ttft_ms_p50'), '', 1)} | "
                 f"{_fmt(p.get('tpot_ms_p50'), '', 2)} | {p.get('failed_requests', 0)} |"
             )
             summary.setdefault(name, {})[str(p["key"])] = {
@@ -240,9 +242,11 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
                 "speedup": speedup,
                 "tau": p.get("tau"),
                 "verify_len": p.get("verify_len"),
+                "tau_speculative": p.get("tau_speculative"),
+                "verify_len_speculative": p.get("verify_len_speculative"),
             }
         if r.get("status") != "ok":
-            lines.append(f"| {name} | (failed: {r.get('error')}) | | | | | | | |")
+            lines.append(f"| {name} | (failed: {r.get('error')}) | | | | | | | | |")
     return "\n".join(lines), summary
 
 

@@ -40,6 +40,9 @@ class Point:
     tok_s_runs: list[float] = field(default_factory=list)
     tau: float | None = None  # mean tokens per target step (accepted + bonus)
     verify_len: float | None = None  # mean tokens verified per round (1 + k_i)
+    # The same two over speculating steps (some request verified a draft).
+    tau_speculative: float | None = None
+    verify_len_speculative: float | None = None
     rounds: int = 0
     accept_per_pos: list[float] = field(default_factory=list)
     ttft_ms_p50: float | None = None

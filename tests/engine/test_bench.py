@@ -73,6 +73,13 @@ def test_shift_stream_offline(tiny, tokenizer, prompt_file, tmp_path):
     assert (tmp_path / "shift.png").exists() and summary["failed"] == []
     ada = summary["summary"]["adaflash:debug_ragged"]["prompts"]
     assert ada["verify_len"] < 4.0  # ragged budgets: fewer than 1 + K on average
+    # Speculating steps' counters come through LLM.get_metrics(): over them tau
+    # and verify length are at least those over every round.
+    for p in json.loads((tmp_path / "adaflash-debug_ragged.json").read_text())[
+        "points"
+    ]:
+        assert p["tau_speculative"] >= p["tau"] - 1e-9
+        assert p["verify_len_speculative"] >= p["verify_len"] - 1e-9
     # a re-plot from the JSON files alone gives the same table
     assert rebuild_report(tmp_path)["summary"] == summary["summary"]
 
@@ -122,6 +129,15 @@ def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     assert set(summary["summary"]["dflash"]) == {"1", "4"}
     ada = json.loads((tmp_path / "adaflash-cost_aware.json").read_text())["points"]
     assert all(0.0 <= p["extra"]["gate_skipped_share"] <= 1.0 for p in ada)
+    # Stock DFlash speculates in every step. AdaFlash's speculating-step counters
+    # come through /metrics: the gate starts drafting, and a speculating step
+    # verifies at least one draft for some request.
+    assert point["tau_speculative"] == point["tau"]
+    assert ada[0]["verify_len_speculative"] > 1.0
+    for p in ada:
+        if p["verify_len_speculative"] is not None:
+            assert p["verify_len_speculative"] >= p["verify_len"]
+            assert p["tau_speculative"] >= p["tau"]
 
 
 def test_shift_stream_served_records_drafter_versions(
