@@ -184,14 +184,15 @@ def test_profile_and_online_refresh():
 
 class _ContendedMachine:
     """A fake clock and dummy forward: n tokens cost `true_ms(n)`, and twice
-    that (another process on the core) until `busy_until_ms`."""
+    that (another process on the core) during a slow spell [start, end) ms."""
 
-    def __init__(self, true_ms, busy_until_ms: float):
-        self.now_ms, self.true_ms, self.busy_until_ms = 0.0, true_ms, busy_until_ms
+    def __init__(self, true_ms, spell: tuple[float, float]):
+        self.now_ms, self.true_ms, self.spell = 0.0, true_ms, spell
 
     def run(self, n: int) -> None:
         cost = self.true_ms(n)
-        self.now_ms += 2 * cost if self.now_ms < self.busy_until_ms else cost
+        start, end = self.spell
+        self.now_ms += 2 * cost if start <= self.now_ms < end else cost
 
     def clock(self) -> float:
         return self.now_ms / 1e3
@@ -202,16 +203,20 @@ def _true_step_ms(n: int) -> float:
     return 18.0 + 0.1 * max(0, n - 16)
 
 
-@pytest.mark.parametrize("busy_until_ms", [0.0, 300.0, 700.0])
-def test_profile_is_not_bent_by_a_slow_spell_that_ends_midway(busy_until_ms):
-    """Contention during part of the profile (run 15: a served C = 1 profile read
-    41.4 ms at 1-4 tokens and 44.8 at 8, where a step takes ~18 ms) must not
-    make a slope where steps cost the same; the real slope above 16 stays."""
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-    m = _ContendedMachine(_true_step_ms, busy_until_ms)
-    model = profile_step_costs(m.run, sizes, clock=m.clock)
-    assert m.now_ms > busy_until_ms  # the spell did end inside the profile
-    assert [model(n) for n in (1, 2, 4, 8)] == pytest.approx([18.0] * 4, abs=1e-6)
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("spell", [(0, 300), (60, 200), (300, 700), (600, 1000)])
+def test_profile_is_not_bent_by_a_slow_spell(spell):
+    """A slow spell during part of the profile (run 15: a served C = 1 profile
+    read 41.4 ms at 1-4 tokens and 44.8 at 8, where a step takes ~18 ms) must not
+    make a slope where steps cost the same; the real slope above 16 stays. Timed
+    size by size (median of 3, as before 763f60d), the spells of 60-200 and
+    300-700 ms made steps of 18 ms at 2 and at 16 tokens."""
+    m = _ContendedMachine(_true_step_ms, spell)
+    model = profile_step_costs(m.run, SIZES, clock=m.clock)
+    assert m.now_ms > spell[1]  # the spell ended inside the profile
+    assert [model(n) for n in (1, 2, 4, 8, 16)] == pytest.approx([18.0] * 5)
     assert model(128) - model(16) == pytest.approx(11.2, abs=1e-6)
 
 
@@ -219,9 +224,8 @@ def test_profile_errs_toward_flat_when_the_spell_covers_most_passes():
     """With one clean pass the noise is as large as the step itself: the curve
     comes out flat (budgets then verify those counts and steps lift it), never
     steeper than the truth."""
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-    m = _ContendedMachine(_true_step_ms, busy_until_ms=1200.0)
-    model = profile_step_costs(m.run, sizes, clock=m.clock)
+    m = _ContendedMachine(_true_step_ms, (0, 1200))
+    model = profile_step_costs(m.run, SIZES, clock=m.clock)
     assert model(128) - model(1) <= 11.2 + 1e-6
     assert model(1) == pytest.approx(18.0)
 
