@@ -145,10 +145,9 @@ def profile_step_costs(
 
     A rise between neighbouring sizes that is within the noise (the larger of the
     two sizes' gaps between their fastest and next fastest samples) is taken as
-    flat. Errors toward flat
-    correct themselves online: budgets then verify those counts and their steps
-    lift the curve. Errors toward steep do not: budgets avoid the counts, whose
-    points are never measured again."""
+    flat. Errors toward flat correct themselves online: budgets then verify those
+    counts and their steps lift the curve. Errors toward steep do not: budgets
+    avoid the counts, whose points are never measured again."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     samples: dict[int, list[float]] = {n: [] for n in sizes}
