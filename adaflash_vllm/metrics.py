@@ -47,12 +47,13 @@ class RoundStats:
         """One decode step's rounds: request i verified num_drafts[i] drafts and
         accepted num_accepted[i] of them."""
         k_max = self.num_speculative_tokens
+        verified = len(num_drafts) + sum(num_drafts)
         self.rounds += len(num_drafts)
-        self.verified_tokens += len(num_drafts) + sum(num_drafts)
+        self.verified_tokens += verified
         self.accepted_tokens += sum(num_accepted)
-        if any(num_drafts):
+        if verified > len(num_drafts):  # some request verified a draft
             self.speculative_rounds += len(num_drafts)
-            self.speculative_verified_tokens += len(num_drafts) + sum(num_drafts)
+            self.speculative_verified_tokens += verified
         for k, a in zip(num_drafts, num_accepted, strict=True):
             self.verified_hist[min(k, k_max)] += 1
             for j in range(min(k, k_max)):

@@ -110,17 +110,16 @@ def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
             delta["ada_accepted"],
             delta["verified"],
         )
+        spec_rounds, spec_verified = delta["spec_rounds"], delta["spec_verified"]
         drafted, acc = delta["ada_drafted_per_pos"], delta["ada_accepted_per_pos"]
         per_pos = [a / d if d else 0.0 for a, d in zip(acc, drafted, strict=False)]
-    elif delta["drafts"] > 0:
+    elif delta["drafts"] > 0:  # stock DFlash: every round speculates
         rounds, accepted = delta["drafts"], delta["accepted"]
         verified = delta["drafts"] + delta["draft_tokens"]
+        spec_rounds, spec_verified = rounds, verified
         per_pos = [a / rounds for a in delta["accepted_per_pos"]]
     else:
         return {"tau": 1.0, "verify_len": 1.0, "rounds": 0, "accept_per_pos": []}
-    spec_rounds, spec_verified = rounds, verified
-    if delta["rounds"] > 0:
-        spec_rounds, spec_verified = delta["spec_rounds"], delta["spec_verified"]
     return {
         "tau": 1 + accepted / rounds,
         "verify_len": verified / rounds,
