@@ -256,9 +256,21 @@ def acceptance_labels(
     return accepted.float() / valid_slots.float().clamp_min(1)
 
 
-def calibration(pred: torch.Tensor, real: torch.Tensor, bins: int = 10) -> dict:
-    """MAE and expected calibration error (equal-width bins) of predicted vs
-    realised acceptance ratios."""
+def calibration(
+    pred: torch.Tensor,
+    real: torch.Tensor,
+    bins: int = 10,
+    *,
+    median: torch.Tensor | None = None,
+) -> dict:
+    """Calibration of predicted vs realised acceptance ratios.
+
+    `pred` is the predicted mean (expected accepted fraction), `median` the
+    median of the same prediction. Under absolute error the best point forecast
+    is the median, so `mae` scores `median` when given, and `mae_constant` the
+    best constant forecast (the realised median); `mae_mean` and
+    `mae_constant_mean` score the means. ECE (equal-width bins) is the
+    calibration of the mean."""
     pred, real = pred.float().flatten(), real.float().flatten()
     if pred.numel() == 0:
         return {"mae": float("nan"), "ece": float("nan"), "n": 0}
@@ -270,9 +282,15 @@ def calibration(pred: torch.Tensor, real: torch.Tensor, bins: int = 10) -> dict:
             ece += sel.float().mean().item() * abs(
                 pred[sel].mean().item() - real[sel].mean().item()
             )
-    return {
-        "mae": (pred - real).abs().mean().item(),
+    mae_mean = (pred - real).abs().mean().item()
+    out = {
+        "mae": mae_mean,
+        "mae_mean": mae_mean,
         "ece": ece,
         "n": pred.numel(),
-        "mae_constant": (real - real.mean()).abs().mean().item(),
+        "mae_constant": (real - real.median()).abs().mean().item(),
+        "mae_constant_mean": (real - real.mean()).abs().mean().item(),
     }
+    if median is not None:
+        out["mae"] = (median.float().flatten() - real).abs().mean().item()
+    return out

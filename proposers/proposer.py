@@ -20,6 +20,7 @@ Shape symbols: B requests, K drafts per request, H drafter hidden size.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -130,6 +131,17 @@ class _Propose(NamedTuple):
     budgets: dict[str, int] | None = None  # drafts each request sent to verify
 
 
+class _Opened(NamedTuple):
+    """A step's propose so far (`_open_step`): when it started, its requests,
+    the propose before it, and the gate's verdict."""
+
+    started: float
+    req_ids: list[str]
+    batch: frozenset[str]
+    last: _Propose | None
+    draft: bool
+
+
 class AdaFlashProposer(DFlashProposer):
     """DFlash proposer that returns ragged per-request draft budgets."""
 
@@ -142,6 +154,7 @@ class AdaFlashProposer(DFlashProposer):
         self.draft_gate: BatchSizeGates | None = None  # built in load_model
         self.block_length: BlockLength | None = None  # built in load_model
         self._last_propose: _Propose | None = None
+        self._opened: _Opened | None = None  # propose_early's, for this step's propose
         self._accepted_total = 0  # the rejection sampler's count at the last step
         self._profiling_target_only = False
         self._runner = runner
@@ -295,33 +308,80 @@ class AdaFlashProposer(DFlashProposer):
         self._confidence_ms = model.confidence_ms
         return drafts
 
-    @override
-    def propose(self, *args, **kwargs) -> torch.Tensor:
+    def _open_step(self, num_reqs: int, num_tokens: int) -> _Opened:
+        """What every propose starts with: time the step that just ran (from the
+        last propose), credit its round to the gate, and take the gate's verdict
+        for this step. `num_tokens`: the tokens the target just processed."""
         started = time.perf_counter()
         if self.timeline is not None:
             self.timeline.append(("propose", started, started, 0.0))
         self._budgets = None
-        cad = kwargs.get("common_attn_metadata")  # vLLM passes keywords only
-        if (
-            self._runner is None
-            or cad is None
-            or (self.budget_policy is None and self.captures is None)
-        ):
-            return super().propose(*args, **kwargs)
-        num_reqs = cad.batch_size()
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs])
         batch = frozenset(req_ids)
         last, self._last_propose = self._last_propose, None
-        num_tokens = kwargs["target_token_ids"].shape[0]  # the step that just ran
         accepted = self._observe_step_cost(last, batch, started, num_tokens)
-        gate = self.draft_gate
+        gate, draft = self.draft_gate, True
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
             draft = gate.should_draft(num_reqs)
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
-            if not draft:
-                return self._skip_drafting(req_ids, batch, started, last, **kwargs)
+        return _Opened(started, req_ids, batch, last, draft)
+
+    def propose_early(
+        self,
+        *,
+        num_tokens: int,
+        num_speculative_tokens: int,
+        common_attn_metadata,
+        context: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor | None:
+        """The runner calls this before it builds the drafter's inputs (patches.py
+        W8). When the gate skips this step, skip it here: those inputs (next-token
+        ids, rejected-token metadata) are then never built, and `context()` gives
+        only what the skipped step needs, (positions [T], target features [T,
+        ...]). Returns the step's placeholders, or None after keeping the step's
+        opening for the `propose` that follows (the gate said draft, or there is
+        no gate)."""
+        self._opened = None
+        if self.draft_gate is None or self._runner is None or self.captures is not None:
+            return None
+        opened = self._open_step(common_attn_metadata.batch_size(), num_tokens)
+        if opened.draft:
+            self._opened = opened
+            return None
+        positions, features = context()
+        return self._skip_drafting(
+            opened,
+            num_speculative_tokens=num_speculative_tokens,
+            target_positions=positions,
+            target_hidden_states=features,
+            common_attn_metadata=common_attn_metadata,
+        )
+
+    @override
+    def propose(self, *args, **kwargs) -> torch.Tensor:
+        opened, self._opened = self._opened, None  # from propose_early, this step
+        cad = kwargs.get("common_attn_metadata")  # vLLM passes keywords only
+        if opened is None and (
+            self._runner is None
+            or cad is None
+            or (self.budget_policy is None and self.captures is None)
+        ):
+            self._budgets = None
+            return super().propose(*args, **kwargs)
+        num_reqs = cad.batch_size()
+        if opened is None:
+            opened = self._open_step(num_reqs, kwargs["target_token_ids"].shape[0])
+            if not opened.draft:
+                return self._skip_drafting(opened, **kwargs)
+        started, req_ids, batch, last = (
+            opened.started,
+            opened.req_ids,
+            opened.batch,
+            opened.last,
+        )
+        gate = self.draft_gate
         started = self._write_deferred_context(gate, started)
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
@@ -399,13 +459,9 @@ class AdaFlashProposer(DFlashProposer):
 
     def _skip_drafting(
         self,
-        req_ids: list[str],
-        batch: frozenset[str],
-        started: float,
-        last: _Propose | None,
+        opened: _Opened,
         *,
         num_speculative_tokens: int,
-        target_token_ids: torch.Tensor,  # [T] tokens the target just processed
         target_positions: torch.Tensor,  # [T]
         target_hidden_states: torch.Tensor,  # [T, aux layers * target hidden]
         common_attn_metadata,  # of the drafter's KV cache group
@@ -417,13 +473,14 @@ class AdaFlashProposer(DFlashProposer):
         request. Returns [B, K] placeholders (every budget is 0, so none reaches
         the scheduler).
 
-        The cache slots of the T context tokens are the drafter group's slot mapping
-        for this step (the same block table and positions `set_inputs_first_pass`
-        computes them from, rejected drafts included as it does); the query block's
+        The T context tokens are every token the target just processed (rejected
+        drafts included, as `set_inputs_first_pass` takes them); their cache slots
+        are the drafter group's slot mapping for this step. The query block's
         inputs that it also builds are not needed."""
+        req_ids, last = opened.req_ids, opened.last
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
-        num_context = target_token_ids.shape[0]
+        num_context = target_hidden_states.shape[0]
         self._deferred.add(
             target_hidden_states,  # [T, ...]: one row per context token
             target_positions[:num_context],
@@ -435,8 +492,8 @@ class AdaFlashProposer(DFlashProposer):
             self._deferred.write(self.model)  # this skipped step pays for it
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
-        self.draft_gate.record_skip(1e3 * (now - started))
-        self._remember_propose(started, now, batch, False, last)
+        self.draft_gate.record_skip(1e3 * (now - opened.started))
+        self._remember_propose(opened.started, now, opened.batch, False, last)
         return torch.zeros(
             len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
         )

@@ -2,13 +2,13 @@
 
 Verification itself is vLLM's (lossless for ragged `num_draft_tokens`: each request
 is checked against its own drafts only). A step that verifies no draft at all (the
-draft gate skipped drafting, or every budget was 0) has nothing to reject: it only
-samples the bonus token, exactly as vLLM's rejection sampler would, without the
-rest of its machinery (the step then costs what a plain decode step's sampling
-costs). This subclass counts, on the device and without host syncs, drafted and
-accepted tokens per draft position and the distribution of per-request verify
-lengths `1 + k_i`: an independent, worker-side record of what the ragged batches
-really verified (the scheduler keeps its own).
+draft gate skipped drafting, or every budget was 0) does not come here: it samples
+with vLLM's plain sampler, as a step of plain decoding does (patches.py W7), and
+W7 counts its rounds through `record_bonus_only`. This subclass counts, on the
+device and without host syncs, drafted and accepted tokens per draft position and
+the distribution of per-request verify lengths `1 + k_i`: an independent,
+worker-side record of what the ragged batches really verified (the scheduler
+keeps its own).
 
 Shape symbols: B requests in the step, K max drafts per request.
 """
@@ -17,18 +17,7 @@ from __future__ import annotations
 
 import torch
 from typing_extensions import override
-from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
-
-
-def _only_bonus_tokens(metadata, sampling_metadata) -> bool:
-    """No request verifies a draft and no logprobs are asked for (those keep
-    vLLM's full path, which assembles them)."""
-    return (
-        metadata.max_spec_len == 0
-        and sampling_metadata.max_num_logprobs is None
-        and not sampling_metadata.logprob_token_ids
-    )
 
 
 class AdaFlashRejectionSampler(RejectionSampler):
@@ -46,34 +35,16 @@ class AdaFlashRejectionSampler(RejectionSampler):
 
     @override
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
-        if _only_bonus_tokens(metadata, sampling_metadata):
-            output = self._sample_bonus_only(metadata, logits, sampling_metadata)
-            if self.recording:  # nothing drafted or accepted: B rounds of 1 token
-                self._record_bonus_only(len(metadata.num_draft_tokens))
-            return output
         output = super().forward(metadata, draft_probs, logits, sampling_metadata)
         if self.recording:
             self._record(metadata.num_draft_tokens, output.sampled_token_ids)
         return output
 
-    def _sample_bonus_only(self, metadata, logits, sampling_metadata) -> SamplerOutput:
-        """k_i = 0 for every request: what `RejectionSampler.forward` returns then
-        (its bonus sample, [B, 1]), minus the empty rejection pass."""
-        # With no drafts the target computed one logits row per request, so the
-        # bonus rows are all of them, in order: no gather (a [B, V] copy) needed.
-        if logits.shape[0] != len(metadata.num_draft_tokens):
-            logits = logits[metadata.bonus_logits_indices]
-        bonus = self.sampler(
-            logits=logits,
-            sampling_metadata=sampling_metadata,
-            predict_bonus_token=True,
-        )
-        return SamplerOutput(
-            sampled_token_ids=bonus.sampled_token_ids.view(-1, 1), logprobs_tensors=None
-        )
-
-    def _record_bonus_only(self, num_reqs: int) -> None:
-        self._verify_hist[0] += num_reqs  # host only: every round emitted 1 token
+    def record_bonus_only(self, num_reqs: int) -> None:
+        """A step of `num_reqs` rounds that verified no draft (sampled without
+        this sampler): each emitted one token."""
+        if self.recording:
+            self._verify_hist[0] += num_reqs  # host only: nothing drafted or accepted
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
         # sampled: [B, K + 1], -1 after the first rejection (and past k_i + 1).

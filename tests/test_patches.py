@@ -24,7 +24,8 @@ def test_engine_patches_applied_by_plugin():
 
 
 def test_worker_patches_swap_proposer_and_revert():
-    """W1/W2 replace the runner's DFlashProposer and trim hook; revert restores."""
+    """W1/W2 replace the runner's DFlashProposer and trim hook (W4-W8 are
+    applied too; W3 only where the CPU overrides are); revert restores."""
     import vllm.v1.worker.gpu_model_runner as gmr
     from adaflash_vllm.proposers.proposer import AdaFlashProposer
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -35,6 +36,7 @@ def test_worker_patches_swap_proposer_and_revert():
         assert gmr.DFlashProposer is AdaFlashProposer
         assert issubclass(AdaFlashProposer, DFlashProposer)
         assert gmr.GPUModelRunner.take_draft_token_ids is not original_take
+        assert all(patches.is_applied(f"W{i}") for i in (1, 2, 4, 5, 6, 7, 8))
     finally:
         patches.revert_all()
     assert gmr.DFlashProposer is DFlashProposer
@@ -78,6 +80,83 @@ def test_drafts_taken_for_the_output_are_handed_out_again():
     )
     assert take(runner) is held
     assert take(runner) is fresh  # nothing held any more: the runner's own
+
+
+class _Sampler:
+    def __init__(self):
+        self.bonus_only = []
+
+    def record_bonus_only(self, n):
+        self.bonus_only.append(n)
+
+
+def test_step_without_drafts_samples_as_plain_decoding():
+    """W7: spec-decode metadata in which no request verifies a draft becomes
+    None (plain sampling; the rounds still counted); with drafts it stays."""
+
+    def metadata(num_drafts):
+        return SimpleNamespace(
+            max_spec_len=max(num_drafts), num_draft_tokens=list(num_drafts)
+        )
+
+    runner = SimpleNamespace(drafter=SimpleNamespace(take_budgets=dict))
+    runner.rejection_sampler = _Sampler()
+    for num_drafts, kept in (([0, 0, 0], False), ([0, 2, 0], True)):
+        spec = metadata(num_drafts)
+        prepare = patches._wrap_prepare_inputs(lambda *a, spec=spec: ("idx", spec, 1))
+        assert prepare(runner, None, None) == ("idx", spec if kept else None, 1)
+    assert runner.rejection_sampler.bonus_only == [3]
+    # Another proposer (not AdaFlash's): vLLM's path is left alone.
+    spec = metadata([0, 0])
+    prepare = patches._wrap_prepare_inputs(lambda *a: ("idx", spec, 1))
+    other = SimpleNamespace(drafter=object(), rejection_sampler=_Sampler())
+    assert prepare(other, None, None)[1] is spec
+
+
+def test_skipped_step_never_builds_the_drafters_inputs():
+    """W8: when `propose_early` skips the step, the original (which builds the
+    drafter's inputs) is not called and the context is the step's T tokens;
+    otherwise the original runs and the kept opening is cleared after it."""
+    import torch
+
+    calls, seen = [], {}
+
+    class Drafter:
+        skip = True
+        _opened = None
+
+        def propose_early(self, **kw):
+            seen.update(kw)
+            if self.skip:
+                return "placeholders"
+            self._opened = "opened"
+            return None
+
+    runner = SimpleNamespace(
+        drafter=Drafter(),
+        valid_sampled_token_count_event=None,
+        speculative_config=SimpleNamespace(disable_padded_drafter_batch=False),
+        _get_positions=lambda n: torch.arange(n),
+        _draft_probs="stale",
+        _draft_prob_req_ids="stale",
+    )
+    wrapped = patches._wrap_propose_draft_token_ids(
+        lambda *a: calls.append(a[0].drafter._opened) or "drafts"
+    )
+    out = SimpleNamespace(total_num_scheduled_tokens=3, num_spec_tokens_to_schedule=7)
+    aux = [torch.ones(5, 2), 2 * torch.ones(5, 2)]
+    args = (out, None, None, None, None, aux, None, "cad", None)
+    assert wrapped(runner, *args) == "placeholders"
+    assert calls == [] and runner._draft_probs is None
+    positions, features = seen["context"]()
+    assert positions.tolist() == [0, 1, 2] and features.shape == (3, 4)
+    assert seen["num_speculative_tokens"] == 7 and seen["common_attn_metadata"] == "cad"
+    runner.drafter.skip = False
+    assert wrapped(runner, *args) == "drafts"
+    assert calls == ["opened"] and runner.drafter._opened is None
+    runner.valid_sampled_token_count_event = object()  # async scheduling
+    runner.drafter.skip = True
+    assert wrapped(runner, *args) == "drafts"
 
 
 def test_guard_trips_on_changed_signature():

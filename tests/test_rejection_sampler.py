@@ -1,5 +1,6 @@
-"""The rejection sampler's bonus-only path (every k_i = 0) against vLLM's full one,
-on synthetic logits (no engine)."""
+"""AdaFlash's rejection sampler against vLLM's, and a step without drafts sampled
+by vLLM's plain sampler (patches.py W7) against vLLM's rejection sampler, on
+synthetic logits (no engine)."""
 
 import pytest
 import torch
@@ -84,56 +85,55 @@ def _run(sampler_cls, drafts, temperature, seed, logits, logprobs=None):
 
 
 @pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy", "sampled"])
-def test_bonus_only_step_equals_vllms_rejection_sampler(temperature):
+def test_plain_sampling_of_a_step_without_drafts_equals_vllms_rejection_sampler(
+    temperature,
+):
+    """W7 samples a step in which no request verifies a draft with the plain
+    sampler: the same tokens as vLLM's rejection sampler with k_i = 0, from the
+    same per-request generators (greedy, and sampled at temperature 0.8)."""
     drafts = [[] for _ in range(B)]
     for seed in range(5):
         logits = torch.randn(B, V, generator=torch.Generator().manual_seed(seed))
-        _, ours = _run(AdaFlashRejectionSampler, drafts, temperature, seed, logits)
+        plain = Sampler()(logits.clone(), _sampling(temperature, seed))
         _, ref = _run(RejectionSampler, drafts, temperature, seed, logits)
-        assert ours.sampled_token_ids.shape == ref.sampled_token_ids.shape == (B, 1)
-        assert ours.sampled_token_ids.dtype == ref.sampled_token_ids.dtype
-        assert torch.equal(ours.sampled_token_ids, ref.sampled_token_ids)
-        assert ours.logprobs_tensors is None
+        assert plain.sampled_token_ids.shape == ref.sampled_token_ids.shape == (B, 1)
+        assert torch.equal(
+            plain.sampled_token_ids.to(ref.sampled_token_ids.dtype),
+            ref.sampled_token_ids,
+        )
     if temperature is None:
-        assert torch.equal(ours.sampled_token_ids[:, 0], logits.argmax(-1).int())
+        assert torch.equal(plain.sampled_token_ids[:, 0].int(), logits.argmax(-1).int())
 
 
-def test_bonus_only_step_is_counted_as_zero_draft_rounds():
-    logits = torch.randn(B, V)
-    sampler, _ = _run(AdaFlashRejectionSampler, [[] for _ in range(B)], None, 0, logits)
+def test_steps_with_drafts_equal_vllms_rejection_sampler():
+    drafts = [[1, 2]] + [[] for _ in range(B - 1)]  # one request verifies 2 drafts
+    for temperature in (None, 0.8):
+        logits = torch.randn(B + 2, V)
+        _, ours = _run(AdaFlashRejectionSampler, drafts, temperature, 3, logits)
+        _, ref = _run(RejectionSampler, drafts, temperature, 3, logits)
+        assert torch.equal(ours.sampled_token_ids, ref.sampled_token_ids)
+
+
+def test_a_step_without_drafts_is_counted_as_zero_draft_rounds():
+    sampler = AdaFlashRejectionSampler(Sampler())
+    sampler.record_bonus_only(B)
     stats = sampler.stats()
     assert stats["verify_hist"][0] == B
     assert sum(stats["drafted"]) == 0
     assert sampler.accepted_total() == 0
+    sampler.recording = False  # dummy batches while profiling
+    sampler.record_bonus_only(B)
+    assert sampler.stats()["verify_hist"][0] == B
 
 
-def test_counts_add_up_across_bonus_only_and_drafting_steps():
+def test_counts_add_up_across_steps_without_and_with_drafts():
     sampler = AdaFlashRejectionSampler(Sampler())
-    for drafts in ([[] for _ in range(B)], [[1, 2]] + [[] for _ in range(B - 1)]):
-        logits = torch.randn(B + sum(map(len, drafts)), V)
-        sampler(_metadata(drafts), None, logits, _sampling(None, 0))
+    sampler.record_bonus_only(B)
+    drafts = [[1, 2]] + [[] for _ in range(B - 1)]
+    sampler(_metadata(drafts), None, torch.randn(B + 2, V), _sampling(None, 0))
     stats = sampler.stats()
     assert stats["verify_hist"][0] == 2 * B - 1 and stats["verify_hist"][2] == 1
     assert stats["drafted"][:2] == [1, 1] and sum(stats["drafted"]) == 2
-
-
-def test_steps_with_drafts_or_logprobs_take_vllms_path(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        AdaFlashRejectionSampler,
-        "_sample_bonus_only",
-        lambda *a, **k: calls.append(1),
-    )
-    drafts = [[1, 2]] + [[] for _ in range(B - 1)]  # one request verifies 2 drafts
-    logits = torch.randn(B + 2, V)
-    _, ours = _run(AdaFlashRejectionSampler, drafts, None, 0, logits)
-    _, ref = _run(RejectionSampler, drafts, None, 0, logits)
-    assert torch.equal(ours.sampled_token_ids, ref.sampled_token_ids)
-    _, with_logprobs = _run(
-        AdaFlashRejectionSampler, [[] for _ in range(B)], None, 0, logits[:B], 2
-    )
-    assert with_logprobs.logprobs_tensors is not None
-    assert calls == []
 
 
 def test_counts_per_position_match_the_verified_tokens():
@@ -163,8 +163,7 @@ def test_counts_per_position_match_the_verified_tokens():
             for j in range(m):
                 want_accepted[j] += 1
         assert sampler.accepted_total() == sum(want_accepted)  # after every step
-        bonus_only = [[] for _ in range(B)]  # accepts nothing: the total holds
-        sampler(_metadata(bonus_only), None, torch.randn(B, V), _sampling(None, 0))
+        sampler.record_bonus_only(B)  # accepts nothing: the total holds
         want_hist[0] += B
         assert sampler.accepted_total() == sum(want_accepted)
     stats = sampler.stats()
@@ -172,17 +171,3 @@ def test_counts_per_position_match_the_verified_tokens():
     assert stats["drafted"] == want_drafted
     assert stats["accepted"] == want_accepted
     assert sampler.accepted_total() == sum(want_accepted)
-
-
-def test_bonus_only_step_samples_the_logits_without_a_gather():
-    seen = []
-
-    class Recording(Sampler):
-        def forward(self, logits, sampling_metadata, **kwargs):
-            seen.append(logits)
-            return super().forward(logits, sampling_metadata, **kwargs)
-
-    sampler = AdaFlashRejectionSampler(Recording())
-    logits = torch.randn(B, V)
-    sampler(_metadata([[] for _ in range(B)]), None, logits, _sampling(None, 0))
-    assert seen[0].data_ptr() == logits.data_ptr()

@@ -82,6 +82,20 @@ def predicted_ratio(
     return head.ratio(hidden)
 
 
+def median_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Tensor:
+    """The median of each block's predicted accepted length, as a fraction of its
+    valid slots [B, M], from s [B, M, K] with s_j = P(at least j + 1 accepted).
+
+    The median m is the largest length with P(A >= m) >= 1/2 (then P(A <= m) >=
+    1/2 too): the count of valid slots whose survival is at least 1/2, since s is
+    non-increasing. Under absolute error the median is the best point forecast
+    (the mean is best under squared error), so MAE is scored on it."""
+    k = torch.arange(survival.shape[-1], device=survival.device)
+    inside = k < valid_slots.unsqueeze(-1)
+    m = ((survival >= 0.5) & inside).sum(-1)
+    return m.float() / valid_slots.float().clamp_min(1)
+
+
 def head_loss(
     head: LengthHead,
     hidden: torch.Tensor,  # [B, M, K, H] drafter outputs at the masks
@@ -265,9 +279,12 @@ def evaluate_length_head(
     num_drafts: int,
     batch_size: int = 8,
 ) -> dict:
-    """Calibration (MAE, ECE, and the MAE of a constant predictor) on `seqs`, every
-    response position used as an anchor."""
-    preds, reals, head_s, conf_s, accs = [], [], [], [], []
+    """Calibration on `seqs`, every response position an anchor (`calibration`):
+    `mae` scores a survival head's median forecast (a ratio head's mean, the only
+    forecast it makes), `mae_mean` the mean, against the best constant
+    (`mae_constant`, the realised median) and the realised mean; ECE; and the
+    budget recall."""
+    preds, medians, reals, head_s, conf_s, accs = [], [], [], [], [], []
     for i in range(0, len(seqs), batch_size):
         hidden, confidence, accepted, valid_slots, mask = _blocks(
             drafter, target, seqs[i : i + batch_size], num_drafts, None, None
@@ -281,12 +298,15 @@ def evaluate_length_head(
             survival = head.survival(hidden, confidence)
         else:
             survival = geometric_survival(head.ratio(hidden), num_drafts)
+        if head.kind == "survival":  # a ratio head predicts only a mean
+            medians.append(median_ratio(survival, valid_slots)[keep])
         head_s.append(survival[full])
         conf_s.append(confidence[..., 0].exp().cumprod(-1)[full])
         accs.append(accepted[full])
     if not preds:
         return calibration(torch.empty(0), torch.empty(0))
-    result = calibration(torch.cat(preds), torch.cat(reals))
+    median = torch.cat(medians) if medians else None
+    result = calibration(torch.cat(preds), torch.cat(reals), median=median)
     acc = torch.cat(accs)
     result["budget_recall"] = budget_recall(torch.cat(head_s), acc)
     result["budget_recall_confidence"] = budget_recall(torch.cat(conf_s), acc)
