@@ -32,11 +32,13 @@ def main() -> None:
             "adaflash:paper",
             "adaflash:cost_aware",
             "adaflash:no_draft",
+            "adaflash:budgets",
         ],
         default="dflash",
         help="adaflash:MODE is DFlash with AdaFlash's length policy MODE (no online); "
         "adaflash:no_draft never drafts (each step only writes the drafter's "
-        "context K/V)",
+        "context K/V); adaflash:budgets is cost_aware with the draft gate off "
+        "(every step drafts)",
     )
     p.add_argument("-k", type=int, default=7)
     p.add_argument("--requests", type=int, default=32)
@@ -79,7 +81,10 @@ def main() -> None:
     extra = {}
     if args.config.startswith("adaflash:"):
         mode = args.config.split(":")[1]
-        spec["adaflash"] = {"length": {"mode": "fixed" if mode == "no_draft" else mode}}
+        length = {"mode": {"no_draft": "fixed", "budgets": "cost_aware"}.get(mode, mode)}
+        if mode == "budgets":
+            length["skip_drafting"] = False
+        spec["adaflash"] = {"length": length}
         extra["worker_extension_cls"] = "adaflash_vllm.worker.AdaFlashWorkerExtension"
     llm = LLM(
         model=target,
