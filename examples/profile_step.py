@@ -81,7 +81,9 @@ def main() -> None:
     extra = {}
     if args.config.startswith("adaflash:"):
         mode = args.config.split(":")[1]
-        length = {"mode": {"no_draft": "fixed", "budgets": "cost_aware"}.get(mode, mode)}
+        length = {
+            "mode": {"no_draft": "fixed", "budgets": "cost_aware"}.get(mode, mode)
+        }
         if mode == "budgets":
             length["skip_drafting"] = False
         spec["adaflash"] = {"length": length}
