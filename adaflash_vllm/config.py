@@ -124,10 +124,10 @@ class OnlineConfig(_Struct):
     push_host: str = "127.0.0.1"
     push_port: Annotated[int, Meta(ge=1024, le=65535)] = 29650
     push_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 10.0
-    swap_staging: Literal["thread", "slices", "one_step"] = "thread"
-    # Where a received version is checked and staged (re-packs, copies): in the
-    # fetch thread beside the steps, in ~2 ms slices between steps, or all in
-    # the step that writes it.
+    swap_staging: Literal["thread", "slices", "one_step"] = "slices"
+    # Where a received version is checked and staged (re-packs, copies): in ~2 ms
+    # slices between steps, in the fetch thread beside the steps, or all in the
+    # step that writes it.
     poll_interval_s: Annotated[float, Meta(ge=0, le=600)] = 1.0
     # How often the engine looks for a new version (between steps).
     gate_window: Annotated[int, Meta(ge=0)] = 256

@@ -310,17 +310,19 @@ class DrafterSwapper:
     Receiving runs in a background thread (it blocks on the trainer or the disk).
     Checking and staging (`staging_steps`) then run as `staging` says:
 
-        thread    in the fetch thread, beside the steps (default; with a spare
-                  core it costs the steps nothing);
-        slices    between steps, about `STAGE_BUDGET_S` per step (bounded work
-                  per step, no thread competing with the steps for a core);
+        slices    between steps, about `STAGE_BUDGET_S` per step (default:
+                  bounded work per step, no thread competing with the steps
+                  for a core or the GIL);
+        thread    in the fetch thread, beside the steps (it takes its time out
+                  of the steps it overlaps unless a core is spare);
         one_step  all in the step that writes the version.
 
     The step that finds the version staged writes it (handle assignments and
     in-place copies). Until then each order answers "pending" and the scheduler
     orders it again next step. A resume at startup (no traffic yet) runs inline.
-    On one shared CPU core the three cost about the same in total (BENCHMARKS.md,
-    swap cost).
+    On one shared CPU core the three cost about the same in total, but `slices`
+    spreads it: p99 inter-token latency in swap windows 1.00x of the others
+    served, `thread` 1.10x (BENCHMARKS.md, run D).
 
     Args:
         model: the live vLLM drafter (`AdaFlashDFlashForCausalLM`).
@@ -335,7 +337,7 @@ class DrafterSwapper:
         *,
         push_timeout_s: float,
         backend: str,
-        staging: str = "thread",
+        staging: str = "slices",
         tp_rank: int = 0,
         tp_size: int = 1,
     ):

@@ -1,7 +1,12 @@
 """Shift-stream rollups without an engine: per-phase plateau and time to adapt,
 ratios against `static`, and latency in windows with a drafter swap."""
 
-from adaflash_vllm.bench.report import phase_rollup, shift_table, swap_rollup
+from adaflash_vllm.bench.report import (
+    neighbour_itl_ratios,
+    phase_rollup,
+    shift_table,
+    swap_rollup,
+)
 
 
 def _pt(phase, tau, *, swaps=None, itl=None, rounds=10, version=0):
@@ -89,7 +94,22 @@ def test_swap_windows_latency_ratio():
     assert s["itl_p99_ms_swap_windows"] == 14.0
     assert s["itl_p99_ms_other_windows"] == 11.0
     assert abs(s["itl_p99_ratio"] - 14.0 / 11.0) < 1e-12
+    # neighbours: window 1 against (10 + 12) / 2; window 3 against window 2 only
+    assert s["neighbour_pairs"] == 2
+    assert abs(s["itl_p99_ratio_neighbours"] - (13.0 / 11.0 + 15.0 / 12.0) / 2) < 1e-12
+    assert s["itl_p99_ratio_neighbours_ci95"] > 0
     assert swap_rollup(_result("plain", [_pt("a", 1.0)])) is None
+
+
+def test_neighbour_ratios_skip_swap_windows_and_stay_in_the_phase():
+    pts = [
+        _pt("a", 2.0, swaps=0, itl=10.0),
+        _pt("a", 2.0, swaps=1, itl=20.0, version=1),
+        _pt("a", 2.0, swaps=1, itl=30.0, version=2),  # neighbours: 10 and 40
+        _pt("a", 2.0, swaps=0, itl=40.0, version=2),
+        _pt("b", 2.0, swaps=1, itl=99.0, version=3),  # no neighbour in phase b
+    ]
+    assert neighbour_itl_ratios(pts) == [20.0 / 25.0, 30.0 / 25.0]
 
 
 def test_shift_table_ratios_against_static():

@@ -107,6 +107,8 @@ def swap_rollup(result: dict) -> dict[str, Any] | None:
         return sum(vals) / len(vals) if vals else None
 
     itl_swap, itl_none = mean_itl(with_swap), mean_itl(without)
+    paired = neighbour_itl_ratios(pts)
+    mean, half = _mean_ci95(paired)
     return {
         "final_version": pts[-1]["extra"]["drafter_version"],
         "swaps": sum(p["extra"].get("swaps", 0) for p in pts),
@@ -114,7 +116,48 @@ def swap_rollup(result: dict) -> dict[str, Any] | None:
         "itl_p99_ms_swap_windows": itl_swap,
         "itl_p99_ms_other_windows": itl_none,
         "itl_p99_ratio": itl_swap / itl_none if itl_swap and itl_none else None,
+        "itl_p99_ratio_neighbours": mean,
+        "itl_p99_ratio_neighbours_ci95": half,
+        "neighbour_pairs": len(paired),
     }
+
+
+def neighbour_itl_ratios(pts: list[dict]) -> list[float]:
+    """Each swap window's p99 inter-token gap over that of its neighbours: the
+    nearest window without a swap before it and after it in the same phase (the
+    mean of the two, or the one there is). Windows next to each other share the
+    drafter's state of adaptation and the traffic, which the mean over all other
+    windows of a run does not (a drafter that has just improved drafts longer
+    and steps longer)."""
+    ratios = []
+    for i, p in enumerate(pts):
+        if not p["extra"].get("swaps") or p.get("itl_ms_p99") is None:
+            continue
+        near = []
+        for step in (-1, 1):
+            j = i + step
+            while 0 <= j < len(pts) and pts[j]["extra"].get("swaps"):
+                j += step
+            if (
+                0 <= j < len(pts)
+                and pts[j]["phase"] == p["phase"]
+                and pts[j].get("itl_ms_p99")
+            ):
+                near.append(pts[j]["itl_ms_p99"])
+        if near:
+            ratios.append(p["itl_ms_p99"] / (sum(near) / len(near)))
+    return ratios
+
+
+def _mean_ci95(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and the half-width of its normal 95% interval (None below 2 values)."""
+    if not xs:
+        return None, None
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, None
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+    return mean, 1.96 * (var / len(xs)) ** 0.5
 
 
 def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
@@ -168,16 +211,20 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
         lines += [
             "",
             "| config | final drafter version | swaps | windows with a swap | "
-            "ITL p99 ms, swap windows | ITL p99 ms, other windows | ratio |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "ITL p99 ms, swap windows | ITL p99 ms, other windows | ratio | "
+            "ratio to neighbouring windows (95%) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, v in swaps.items():
+            paired = _fmt(v.get("itl_p99_ratio_neighbours"), "x")
+            if v.get("itl_p99_ratio_neighbours_ci95") is not None:
+                paired += f" +- {v['itl_p99_ratio_neighbours_ci95']:.3f}"
             lines.append(
                 f"| {name} | {v['final_version']} | {v['swaps']} | "
                 f"{v['windows_with_swap']} | "
                 f"{_fmt(v['itl_p99_ms_swap_windows'], '', 1)} | "
                 f"{_fmt(v['itl_p99_ms_other_windows'], '', 1)} | "
-                f"{_fmt(v['itl_p99_ratio'], 'x')} |"
+                f"{_fmt(v['itl_p99_ratio'], 'x')} | {paired} |"
             )
     lines += training_table(results)
     return "\n".join(lines), summary
