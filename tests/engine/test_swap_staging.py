@@ -1,7 +1,7 @@
-"""Swaps staged in the fetch thread (`online.swap_staging: "thread"`; the other
-engine swap tests run the default, `slices`): the swap lands, output stays
-token-identical to plain vLLM, and the drafts after it equal those of a fresh
-engine started on the published checkpoint."""
+"""Swaps staged in slices between steps (`online.swap_staging: "slices"`, the
+default) and in the fetch thread (`"thread"`): the work runs where the mode says,
+the swap lands, output stays token-identical to plain vLLM, and the drafts after
+it equal those of a fresh engine started on the published checkpoint."""
 
 import json
 import time
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.engine
 K = 3
 
 
-def test_thread_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path):
+@pytest.mark.parametrize("staging", ["slices", "thread"])
+def test_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path, staging):
     spec = tiny.spec(
         k=K,
         adaflash={
@@ -29,7 +30,7 @@ def test_thread_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path)
                 "versions_dir": str(tmp_path / "versions"),
                 "poll_interval_s": 0.05,
                 "gate_window": 0,
-                "swap_staging": "thread",
+                "swap_staging": staging,
             }
         },
     )
@@ -48,10 +49,12 @@ def test_thread_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path)
             ]
         events = llm.collective_rpc("adaflash_timeline", args=(False,))[0]
         kinds = [e[0] for e in events]
-        # Checked and staged in the fetch thread (no step carried a slice of
-        # it), then written between steps.
-        assert "stage" not in kinds and "write" in kinds, kinds
-        assert kinds.index("fetch") < kinds.index("write")
+        assert "write" in kinds, kinds
+        if staging == "slices":  # checked and staged between steps, then written
+            assert kinds.index("fetch") < kinds.index("stage") < kinds.index("write")
+        else:  # all in the fetch thread: no step carried a slice of it
+            assert "stage" not in kinds, kinds
+            assert kinds.index("fetch") < kinds.index("write")
         swapped = _draft_logits(llm, prompts)
         assert greedy(llm, PROMPTS) == baseline["greedy"]
     finally:
