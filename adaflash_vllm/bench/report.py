@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from adaflash_vllm.bench.paired import mean_ci
+
 
 def _points(result: dict) -> list[dict]:
     return result.get("points", [])
@@ -108,7 +110,7 @@ def swap_rollup(result: dict) -> dict[str, Any] | None:
 
     itl_swap, itl_none = mean_itl(with_swap), mean_itl(without)
     paired = neighbour_itl_ratios(pts)
-    mean, half = _mean_ci95(paired)
+    mean, half = mean_ci(paired) if paired else (None, None)
     return {
         "final_version": pts[-1]["extra"]["drafter_version"],
         "swaps": sum(p["extra"].get("swaps", 0) for p in pts),
@@ -117,7 +119,7 @@ def swap_rollup(result: dict) -> dict[str, Any] | None:
         "itl_p99_ms_other_windows": itl_none,
         "itl_p99_ratio": itl_swap / itl_none if itl_swap and itl_none else None,
         "itl_p99_ratio_neighbours": mean,
-        "itl_p99_ratio_neighbours_ci95": half,
+        "itl_p99_ratio_neighbours_ci95": None if len(paired) < 2 else half,
         "neighbour_pairs": len(paired),
     }
 
@@ -147,17 +149,6 @@ def neighbour_itl_ratios(pts: list[dict]) -> list[float]:
         if near:
             ratios.append(p["itl_ms_p99"] / (sum(near) / len(near)))
     return ratios
-
-
-def _mean_ci95(xs: list[float]) -> tuple[float | None, float | None]:
-    """Mean and the half-width of its normal 95% interval (None below 2 values)."""
-    if not xs:
-        return None, None
-    mean = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return mean, None
-    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
-    return mean, 1.96 * (var / len(xs)) ** 0.5
 
 
 def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:

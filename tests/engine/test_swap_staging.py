@@ -51,6 +51,7 @@ def test_staging_swaps_to_the_published_drafter(tiny, baseline, tmp_path, stagin
         kinds = [e[0] for e in events]
         assert "write" in kinds, kinds
         if staging == "slices":  # checked and staged between steps, then written
+            assert "stage" in kinds, kinds
             assert kinds.index("fetch") < kinds.index("stage") < kinds.index("write")
         else:  # all in the fetch thread: no step carried a slice of it
             assert "stage" not in kinds, kinds
