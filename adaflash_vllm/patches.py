@@ -511,25 +511,22 @@ _PROPOSE_DRAFT_TOKEN_IDS_PARAMS = (
 
 
 def _wrap_propose_draft_token_ids(orig: Callable) -> Callable:
-    def propose_draft_token_ids(
-        self,
-        scheduler_output,
-        sampled_token_ids,
-        sampling_metadata,
-        hidden_states,
-        sample_hidden_states,
-        aux_hidden_states,
-        spec_decode_metadata,
-        common_attn_metadata,
-        slot_mappings,
-    ):
+    # vLLM passes these positionally; the guard above pinned their order.
+    names = _PROPOSE_DRAFT_TOKEN_IDS_PARAMS[1:]
+
+    def propose_draft_token_ids(self, *args, **kwargs):
         early = getattr(self.drafter, "propose_early", None)
+        if early is None:
+            return orig(self, *args, **kwargs)
+        bound = dict(zip(names, args, strict=False))  # some may be keywords
+        bound.update(kwargs)
+        aux_hidden_states = bound["aux_hidden_states"]
         if (
-            early is not None
-            and aux_hidden_states is not None
+            aux_hidden_states is not None
             and self.valid_sampled_token_count_event is None  # sync scheduling
             and not self.speculative_config.disable_padded_drafter_batch
         ):
+            scheduler_output = bound["scheduler_output"]
             num_tokens = scheduler_output.total_num_scheduled_tokens
 
             def context():  # what the original gives the drafter as its context
@@ -541,28 +538,16 @@ def _wrap_propose_draft_token_ids(orig: Callable) -> Callable:
             placeholders = early(
                 num_tokens=num_tokens,
                 num_speculative_tokens=scheduler_output.num_spec_tokens_to_schedule,
-                common_attn_metadata=common_attn_metadata,
+                common_attn_metadata=bound["common_attn_metadata"],
                 context=context,
             )
             if placeholders is not None:  # the gate skipped this step
                 self._draft_probs = self._draft_prob_req_ids = None
                 return placeholders
         try:
-            return orig(
-                self,
-                scheduler_output,
-                sampled_token_ids,
-                sampling_metadata,
-                hidden_states,
-                sample_hidden_states,
-                aux_hidden_states,
-                spec_decode_metadata,
-                common_attn_metadata,
-                slot_mappings,
-            )
+            return orig(self, *args, **kwargs)
         finally:
-            if early is not None:
-                self.drafter._opened = None  # never carried into another step
+            self.drafter._opened = None  # never carried into another step
 
     return propose_draft_token_ids
 

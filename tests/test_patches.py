@@ -157,6 +157,13 @@ def test_skipped_step_never_builds_the_drafters_inputs():
     runner.valid_sampled_token_count_event = object()  # async scheduling
     runner.drafter.skip = True
     assert wrapped(runner, *args) == "drafts"
+    # The same arguments partly by keyword: read by name, passed on as given.
+    runner.valid_sampled_token_count_event = None
+    seen.clear()
+    keywords = {"aux_hidden_states": aux, "common_attn_metadata": "cad2"}
+    assert wrapped(runner, *args[:5], **keywords) == "placeholders"
+    assert seen["common_attn_metadata"] == "cad2"
+    assert seen["context"]()[1].shape == (3, 4)
 
 
 def test_guard_trips_on_changed_signature():
