@@ -511,7 +511,7 @@ _PROPOSE_DRAFT_TOKEN_IDS_PARAMS = (
 
 
 def _wrap_propose_draft_token_ids(orig: Callable) -> Callable:
-    # vLLM passes these positionally; the guard above pinned their order.
+    # vLLM passes these positionally, in the order the W8 guard checks.
     names = _PROPOSE_DRAFT_TOKEN_IDS_PARAMS[1:]
 
     def propose_draft_token_ids(self, *args, **kwargs):
