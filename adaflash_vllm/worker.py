@@ -47,6 +47,14 @@ class AdaFlashWorkerExtension:
         `enable`."""
         return self.model_runner.drafter.record_timeline(enable)
 
+    def adaflash_exclude_gap(self, seconds: float) -> None:
+        """Benchmarks interleaving engines in one process (examples/
+        compare_steps.py): leave the `seconds` this engine sat idle since its
+        last step out of the proposer's round and step-cost clocks."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if hasattr(drafter, "exclude_gap"):
+            drafter.exclude_gap(seconds)
+
     def adaflash_checksums(self) -> dict[str, str]:
         """Exact checksums of the target's parameters and the drafter's own ones
         (never-touch-the-target checks)."""
@@ -116,6 +124,13 @@ class AdaFlashWorkerExtension:
         from adaflash_vllm.proposers.draft_gate import ScriptedDraftGate
 
         self.model_runner.drafter.draft_gate = ScriptedDraftGate(draft_every)
+
+    def adaflash_debug_context_upkeep(self, enable: bool) -> None:
+        """Measurements only (examples/compare_steps.py `no_draft:noctx`): with
+        False, steps the gate skips no longer queue their context K/V for the
+        drafter, which prices that upkeep. The drafter's cache then misses those
+        tokens: drafts after it are worse, the output is unchanged (lossless)."""
+        self.model_runner.drafter.context_upkeep = bool(enable)
 
     def adaflash_debug_gate(self, settings: dict[str, float]) -> dict[str, Any]:
         """Experiments: set draft-gate parameters (`DraftGate` fields such as

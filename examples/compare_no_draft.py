@@ -14,8 +14,10 @@ without it every batch starts and ends together.
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
 `length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`),
-`adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts) and
-`adaflash:z2` (the draft gate switching modes only past 2 standard errors, set
+`adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
+`adaflash:never` (`cost_aware` with a gate that never drafts: what the policy's
+own upkeep costs on skipped steps, against `no_draft`) and `adaflash:z2` (the
+draft gate switching modes only past 2 standard errors, set
 with the `adaflash_debug_gate` RPC).
 Per round it prints every engine's tok/s and CPU ms per output token (of the
 engine's own processes); then, for each configuration, its ratio to plain (means
@@ -39,6 +41,7 @@ _ADAFLASH_VARIANTS = {
     "noskip": {"skip_drafting": False},
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
+    "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {"z2": {"switch_z": 2.0}}
@@ -67,7 +70,7 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
     llm = offline_engine(
         str(DEMO / "target"), _spec(config), concurrency, log_stats=log_stats
     )
-    if config == "no_draft":
+    if config in ("no_draft", "adaflash:never"):
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     settings = _GATE_SETTINGS.get(config.partition(":")[2])
     if config.startswith("adaflash:") and settings:
@@ -96,8 +99,8 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip|z2] "
-        "(each compared to plain)",
+        help="comma list of no_draft, dflash[:K], "
+        "adaflash[:adaptive_block|noskip|fixed|z2|never] (each compared to plain)",
     )
     args = p.parse_args()
     configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
@@ -179,6 +182,11 @@ def main() -> None:
             "drafts_verified_per_round": sum(counts["drafted"]) / rounds,
             "drafts_accepted_per_round": sum(counts["accepted"]) / rounds,
             "budget_use": state.get("budget_use"),
+            # per batch-size bucket: steps drafted / skipped, the mode it settled on
+            "gate_buckets": {
+                b: [g["drafted_steps"], g["skipped_steps"], g["drafting"]]
+                for b, g in (gate.get("buckets") or {}).items()
+            },
         }
         print(f"{name}: {summary['adaflash_state'][name]}")
     print(json.dumps(summary))

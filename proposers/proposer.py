@@ -163,6 +163,10 @@ class AdaFlashProposer(DFlashProposer):
         self._confidence_ms = 0.0  # the confidence features' time, this step
         self._mask_confidence: torch.Tensor | None = None  # [B * K, 3], same propose
         self._deferred = _DeferredContext()  # context K/V of skipped steps
+        # Measurements only (adaflash_debug_context_upkeep): False queues nothing
+        # on skipped steps, so that a benchmark can price the upkeep; the drafter's
+        # cache then lacks those tokens (later drafts worse, output unchanged).
+        self.context_upkeep = True
         self._budgets: dict[str, int] | None = None
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
         # debug: (event, start, end, cpu seconds), see record_timeline()
@@ -481,13 +485,14 @@ class AdaFlashProposer(DFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         num_context = target_hidden_states.shape[0]
-        self._deferred.add(
-            target_hidden_states,  # [T, ...]: one row per context token
-            target_positions[:num_context],
-            common_attn_metadata.slot_mapping[:num_context],
-            # Tokens a drafting round verified are that round's cost.
-            charged=last is None or not last.drafted,
-        )
+        if self.context_upkeep:
+            self._deferred.add(
+                target_hidden_states,  # [T, ...]: one row per context token
+                target_positions[:num_context],
+                common_attn_metadata.slot_mapping[:num_context],
+                # Tokens a drafting round verified are that round's cost.
+                charged=last is None or not last.drafted,
+            )
         if self._deferred.tokens >= MAX_DEFERRED_TOKENS:
             self._deferred.write(self.model)  # this skipped step pays for it
         self._budgets = dict.fromkeys(req_ids, 0)
@@ -709,6 +714,17 @@ class AdaFlashProposer(DFlashProposer):
     def capture_drafts(self, enable: bool) -> None:
         """Start (fresh) or stop recording every propose() into `self.captures`."""
         self.captures = [] if enable else None
+
+    def exclude_gap(self, seconds: float) -> None:
+        """Benchmarks that interleave several engines' steps in one process: this
+        engine sat idle for `seconds` since its last step ended (others ran).
+        Shift the last propose's clock by that much, so that the round it opened
+        and the step cost measured from its end leave the idle time out."""
+        last = self._last_propose
+        if last is not None and seconds > 0:
+            self._last_propose = last._replace(
+                started=last.started + seconds, ended=last.ended + seconds
+            )
 
     def take_budgets(self) -> dict[str, int] | None:
         """Budgets chosen at the last propose (each handed out once)."""

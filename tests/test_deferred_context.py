@@ -1,5 +1,7 @@
 """Skipped steps' context K/V: queued, then written in one pass in step order."""
 
+import types
+
 import torch
 from adaflash_vllm.proposers.proposer import _DeferredContext
 
@@ -55,3 +57,36 @@ def test_tokens_of_a_drafting_round_are_not_charged_to_skipping():
     assert (written.steps, written.tokens) == (3, 12)
     assert (written.charged_tokens, written.charged_steps) == (4, 2)
     assert queue.write(model).charged_tokens == 0
+
+
+def test_a_skipped_step_queues_its_context_unless_upkeep_is_off():
+    """adaflash_debug_context_upkeep(False) (measurements): a skipped step then
+    queues nothing, and still verifies 0 drafts per request."""
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer, _Opened
+
+    proposer = types.SimpleNamespace(
+        _deferred=_DeferredContext(),
+        context_upkeep=False,
+        draft_gate=types.SimpleNamespace(record_skip=lambda ms: None),
+        device=torch.device("cpu"),
+        _synced_clock=lambda: 1.0,
+        _remember_propose=lambda *args: None,
+    )
+    opened = _Opened(0.5, ["a", "b"], frozenset({"a", "b"}), None, False)
+
+    def skip():
+        return AdaFlashProposer._skip_drafting(
+            proposer,
+            opened,
+            num_speculative_tokens=3,
+            target_positions=torch.arange(2),
+            target_hidden_states=torch.zeros(2, 6),
+            common_attn_metadata=types.SimpleNamespace(slot_mapping=torch.arange(2)),
+        )
+
+    out = skip()
+    assert proposer._deferred.tokens == 0
+    assert out.shape == (2, 3) and proposer._budgets == {"a": 0, "b": 0}
+    proposer.context_upkeep = True
+    skip()
+    assert proposer._deferred.tokens == 2

@@ -87,3 +87,23 @@ def test_the_first_round_after_a_switch_is_not_credited():
     assert _credit({"a"}, {"a"}, drafted=True, after_drafted=False) == []
     assert len(_credit({"a"}, {"a"}, drafted=False, after_drafted=False)) == 1
     assert len(_credit({"a"}, {"a"}, drafted=True, after_drafted=True)) == 1
+
+
+def test_an_excluded_gap_leaves_the_round_and_the_step_cost():
+    """exclude_gap (engines stepped in turn in one process): the 30 ms this engine
+    sat idle come out of the round it credits (start to start) and out of the
+    step cost measured from the last propose's end; nothing before a propose."""
+    proposer = types.SimpleNamespace(_last_propose=None)
+    AdaFlashProposer.exclude_gap(proposer, 0.03)
+    assert proposer._last_propose is None
+    proposer._last_propose = _Propose(10.0, 10.002, frozenset({"a"}), True)
+    AdaFlashProposer.exclude_gap(proposer, 0.03)
+    AdaFlashProposer.exclude_gap(proposer, -1.0)  # a clock step back: ignored
+    last = proposer._last_propose
+    assert (last.started, last.ended) == pytest.approx((10.03, 10.032))
+    assert last.batch == frozenset({"a"}) and last.drafted is True
+    gate = _Gate()
+    AdaFlashProposer._credit_round(
+        types.SimpleNamespace(cost_model=None), gate, last, last.batch, 10.08, 1, 2
+    )
+    assert gate.rounds[0]["ms"] == pytest.approx(50.0)

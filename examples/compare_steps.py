@@ -1,0 +1,231 @@
+"""Engines stepped in turn: plain vLLM against other configurations at a steady
+load, with the machine's slow and fast spells shared step by step.
+
+Paired rounds (`compare_no_draft.py`) alternate whole batches of 64 prompts, so a
+slow spell of this VM lands on one engine's round and not the other's; their
+ratios swing by 5-15% per round. Here every engine runs in this process
+(in-process engine core, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and they take single
+steps in turn (the order reversing every step), each keeping `--concurrency`
+requests in flight: a finished request is replaced by the next one of the same
+seeded stream (prose prompts, output lengths drawn from [max_tokens / 3,
+5 max_tokens / 3], greedy, ignore_eos). AdaFlash's clocks (its draft gate's round
+rates and the online cost curve) leave out the time an engine sat idle while the
+others stepped (the `adaflash_exclude_gap` RPC).
+
+Run (about 5 minutes on 2 cores for 1,500 steps of three engines at 32):
+    taskset -c 0 python examples/compare_steps.py --concurrency 32 --steps 1500 \
+        --configs no_draft,adaflash
+    taskset -c 0 python examples/compare_steps.py --concurrency 1 --steps 3000 \
+        --configs dflash,adaflash
+
+A `dflash` engine here runs vLLM's DFlash code through the runner as AdaFlash's
+worker patches leave it (this process has them once an AdaFlash engine starts),
+including AdaFlash's faster first-index argmax for the drafts (row_max.py): a
+baseline at least as fast as stock.
+
+`--configs` as in `compare_no_draft.py` (no_draft, dflash[:K], adaflash[:VARIANT]),
+and `no_draft:noctx` / `no_draft:nobook`: never drafting with the drafter's
+context K/V upkeep off / with the AdaFlash scheduler's per-round bookkeeping
+off (measurements only: what each part of a skipped step costs).
+Prints, per configuration, its tok/s over its own steps and the ratio to plain
+(AdaFlash ones also to each `dflash[:K]` and `no_draft` that ran) as the mean
+over blocks of `--block` steps with a 95% interval; the median time of steps at
+the full batch that ran no new prompt, and of those that did; at one request
+also the ratio per request (the same request's time in each engine: engines that
+emit different tokens per step are at different text at any moment, which the
+per-block ratios mix in); then one JSON line. `--profile DIR` profiles each
+engine's steps with its own cProfile (the same stretch of machine time for
+each), for `examples/diff_profiles.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+
+from compare_no_draft import _ADAFLASH_VARIANTS, DEMO, _engine
+
+# no_draft:VARIANT: the never-drafting engine with one part of a skipped step off
+# (measurements only: what that part costs)
+_NO_DRAFT_VARIANTS = {
+    # skipped steps queue no context K/V for the drafter (adaflash_debug_context_
+    # upkeep): the drafter's cache upkeep, priced
+    "noctx",
+    # the AdaFlash scheduler's per-round bookkeeping off (round counters, round
+    # log, admission feedback): in-process only, on the engine's own scheduler
+    "nobook",
+}
+
+
+def _compared(name: str, base: str) -> bool:
+    """Every configuration against plain; AdaFlash ones against every DFlash K
+    and `no_draft` too, other DFlash Ks against `dflash` (K = 7) and no_draft
+    variants against `no_draft`."""
+    if name == base:
+        return False
+    if base == "plain" or name.startswith("adaflash"):
+        return True
+    if base == "no_draft":
+        return name.startswith("no_draft:")
+    return base == "dflash" and name.startswith("dflash:")
+
+
+def _build(config: str, concurrency: int):
+    name, _, variant = config.partition(":")
+    if name != "no_draft":
+        return _engine(config, concurrency)
+    llm = _engine("no_draft", concurrency)
+    if variant == "noctx":
+        llm.collective_rpc("adaflash_debug_context_upkeep", args=(False,))
+    elif variant == "nobook":
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler._decode_rounds_before = lambda scheduler_output: {}
+    return llm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--steps", type=int, default=1500, help="per engine")
+    p.add_argument("--warmup-steps", type=int, default=100, help="left out")
+    p.add_argument("--block", type=int, default=50, help="steps per ratio sample")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--configs", default="no_draft")
+    p.add_argument("--out", help="also write the JSON summary here")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="cProfile each engine's steps (timings then include its overhead) and "
+        "write DIR/CONFIG.pstats, for examples/diff_profiles.py",
+    )
+    args = p.parse_args()
+    configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
+    for c in configs:
+        name, _, k = c.partition(":")
+        if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
+            k == ""
+            or (name == "dflash" and k.isdigit() and int(k) >= 1)
+            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
+            or (name == "no_draft" and k in _NO_DRAFT_VARIANTS)
+        ):
+            p.error(f"unknown config {c!r}")
+    if args.steps <= args.warmup_steps + args.block:
+        p.error("--steps must exceed --warmup-steps + --block")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
+    from adaflash_vllm.training.data import chat_prompts, load_prompts
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from adaflash_vllm.bench.stepped import (
+        Stream,
+        block_ratios,
+        ratio_summary,
+        request_ratios,
+        step_in_turn,
+    )
+    from adaflash_vllm.bench.workloads import seeded_lengths
+
+    # AdaFlash engines first: the first one applies AdaFlash's worker patches to
+    # this process (patches.py), and vLLM's runner then builds every later DFlash
+    # drafter as an AdaFlashProposer; without an AdaFlash config that runs vLLM's
+    # own DFlash code (a stock DFlash engine built before would fail the runner's
+    # isinstance check once the patches are in).
+    first = sorted(configs, key=lambda c: not c.startswith(("adaflash", "no_draft")))
+    built = {c: _build(c, args.concurrency) for c in first}
+    engines = {c: built[c] for c in configs}
+    prompts = chat_prompts(
+        engines["plain"].get_tokenizer(),
+        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
+    )
+    warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(prompts[:8], warm, use_tqdm=False)
+    lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
+    lengths = seeded_lengths(len(prompts), lo, hi, 0)
+    streams = {
+        c: Stream(
+            c,
+            llm,
+            args.concurrency,
+            prompts,
+            lengths,
+            adaflash=c.startswith(("adaflash", "no_draft")),
+            profile=cProfile.Profile() if args.profile else None,
+        )
+        for c, llm in engines.items()
+    }
+    step_in_turn(
+        list(streams.values()),
+        args.steps,
+        progress=lambda r: tqdm(r, desc="steps", unit="step", mininterval=10),
+    )
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        for name, s in streams.items():
+            s.profile.dump_stats(os.path.join(args.profile, f"{name}.pstats"))
+
+    skip = args.warmup_steps
+    summary: dict = {"concurrency": args.concurrency, "steps": args.steps}
+    nan = float("nan")
+    for name, s in streams.items():
+        steps = s.steps[skip:]
+        e = summary.setdefault("engines", {})[name] = {
+            "tok_s": s.tok_s(skip),
+            "tokens_per_step": sum(x.tokens for x in steps) / len(steps),
+            "median_step_ms_decode": s.median_step_ms(skip, new_prompt=False),
+            "median_step_ms_new_prompt": s.median_step_ms(skip, new_prompt=True),
+            "new_prompt_steps": sum(x.new_prompt for x in steps),
+        }
+        print(
+            f"{name:>22}: {e['tok_s']:8.1f} tok/s, {e['tokens_per_step']:.2f} "
+            f"tokens/step; median step at {args.concurrency} requests "
+            f"{e['median_step_ms_decode'] or nan:.2f} ms without a new prompt, "
+            f"{e['median_step_ms_new_prompt'] or nan:.2f} ms with one"
+        )
+    bases = ["plain"] + [
+        b for b in configs if b.startswith("dflash") or b == "no_draft"
+    ]
+    pairs = [(n, b) for b in bases for n in configs if _compared(n, b)]
+    for name, base in pairs:
+        r = ratio_summary(
+            block_ratios(streams[name], streams[base], skip, args.block), "blocks"
+        )
+        summary.setdefault(f"vs_{base}", {})[name] = r
+        print(
+            f"{name} / {base}: tok/s {r['tok_s_ratio_mean']:.3f} +- "
+            f"{r['tok_s_ratio_ci95']:.3f} (95%, {r['blocks']} blocks of "
+            f"{args.block} steps; median {r['tok_s_ratio_median']:.3f})"
+        )
+    if args.concurrency == 1:
+        # The same request in each engine (the same prompt and tokens, greedy):
+        # engines that emit different tokens per step are at different requests
+        # at any moment, so per-block ratios mix in how easy each one's text is.
+        for name, base in pairs:
+            r = ratio_summary(request_ratios(streams[name], streams[base]), "requests")
+            summary.setdefault(f"per_request_vs_{base}", {})[name] = r
+            print(
+                f"{name} / {base}, per request: tok/s {r['tok_s_ratio_mean']:.3f} "
+                f"+- {r['tok_s_ratio_ci95']:.3f} (95%, {r['requests']} requests; "
+                f"median {r['tok_s_ratio_median']:.3f})"
+            )
+    for name, llm in engines.items():
+        if name.startswith("adaflash"):
+            gate = llm.collective_rpc("adaflash_budget_state")[0]["draft_gate"] or {}
+            summary.setdefault("adaflash_state", {})[name] = {
+                "drafted_steps": gate.get("drafted_steps"),
+                "skipped_steps": gate.get("skipped_steps"),
+            }
+            print(f"{name}: {summary['adaflash_state'][name]}")
+    line = json.dumps(summary)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
