@@ -64,6 +64,32 @@ def _spec(config: str) -> dict | None:
     return spec
 
 
+def parse_configs(text: str, no_draft_variants=frozenset()) -> list[str]:
+    """ "plain" and the comma list `text` (no_draft[:VARIANT] only with a variant
+    in `no_draft_variants`); ValueError names the first unknown one."""
+    configs = ["plain"] + [c for c in text.split(",") if c and c != "plain"]
+    for c in configs:
+        name, _, k = c.partition(":")
+        if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
+            k == ""
+            or (name == "dflash" and k.isdigit() and int(k) >= 1)
+            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
+            or (name == "no_draft" and k in no_draft_variants)
+        ):
+            raise ValueError(f"unknown config {c!r}")
+    return configs
+
+
+def demo_prompts(tokenizer) -> list[str]:
+    """The demo's prose prompts, in the target's chat template."""
+    from adaflash_vllm.training.data import chat_prompts, load_prompts
+
+    return chat_prompts(
+        tokenizer,
+        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
+    )
+
+
 def _engine(config: str, concurrency: int, log_stats: bool = False):
     from adaflash_vllm.bench.paired import offline_engine
 
@@ -103,18 +129,12 @@ def main() -> None:
         "adaflash[:adaptive_block|noskip|fixed|z2|never] (each compared to plain)",
     )
     args = p.parse_args()
-    configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
-    for c in configs:
-        name, _, k = c.partition(":")
-        if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
-            k == ""
-            or (name == "dflash" and k.isdigit() and int(k) >= 1)
-            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
-        ):
-            p.error(f"unknown config {c!r}")
+    try:
+        configs = parse_configs(args.configs)
+    except ValueError as e:
+        p.error(str(e))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
-    from adaflash_vllm.training.data import chat_prompts, load_prompts
     from vllm import SamplingParams
 
     from adaflash_vllm.bench.paired import (
@@ -128,10 +148,7 @@ def main() -> None:
         c: start_engine(lambda c=c: _engine(c, args.concurrency, args.log_stats))
         for c in configs
     }
-    prompts = chat_prompts(
-        engines["plain"][0].get_tokenizer(),
-        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
-    )
+    prompts = demo_prompts(engines["plain"][0].get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm, _ in engines.values():  # warm-up
         llm.generate(prompts[:8], params, use_tqdm=False)

@@ -45,7 +45,7 @@ import cProfile
 import json
 import os
 
-from compare_no_draft import _ADAFLASH_VARIANTS, DEMO, _engine
+from compare_no_draft import _engine, demo_prompts, parse_configs
 
 # no_draft:VARIANT: the never-drafting engine with one part of a skipped step off
 # (measurements only: what that part costs)
@@ -101,25 +101,19 @@ def main() -> None:
         "write DIR/CONFIG.pstats, for examples/diff_profiles.py",
     )
     args = p.parse_args()
-    configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
-    for c in configs:
-        name, _, k = c.partition(":")
-        if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
-            k == ""
-            or (name == "dflash" and k.isdigit() and int(k) >= 1)
-            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
-            or (name == "no_draft" and k in _NO_DRAFT_VARIANTS)
-        ):
-            p.error(f"unknown config {c!r}")
+    try:
+        configs = parse_configs(args.configs, _NO_DRAFT_VARIANTS)
+    except ValueError as e:
+        p.error(str(e))
     if args.steps <= args.warmup_steps + args.block:
         p.error("--steps must exceed --warmup-steps + --block")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
-    from adaflash_vllm.training.data import chat_prompts, load_prompts
     from tqdm import tqdm
     from vllm import SamplingParams
 
+    from adaflash_vllm.bench.paired import staggered_lengths
     from adaflash_vllm.bench.stepped import (
         Stream,
         block_ratios,
@@ -127,7 +121,6 @@ def main() -> None:
         request_ratios,
         step_in_turn,
     )
-    from adaflash_vllm.bench.workloads import seeded_lengths
 
     # AdaFlash engines first: the first one applies AdaFlash's worker patches to
     # this process (patches.py), and vLLM's runner then builds every later DFlash
@@ -137,15 +130,11 @@ def main() -> None:
     first = sorted(configs, key=lambda c: not c.startswith(("adaflash", "no_draft")))
     built = {c: _build(c, args.concurrency) for c in first}
     engines = {c: built[c] for c in configs}
-    prompts = chat_prompts(
-        engines["plain"].get_tokenizer(),
-        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
-    )
+    prompts = demo_prompts(engines["plain"].get_tokenizer())
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[:8], warm, use_tqdm=False)
-    lo, hi = max(args.max_tokens // 3, 1), 5 * args.max_tokens // 3
-    lengths = seeded_lengths(len(prompts), lo, hi, 0)
+    lengths = staggered_lengths(len(prompts), args.max_tokens)
     streams = {
         c: Stream(
             c,

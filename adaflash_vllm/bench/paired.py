@@ -50,18 +50,23 @@ def offline_engine(
     )
 
 
-def staggered_params(num: int, max_tokens: int, seed: int = 0) -> list:
-    """`num` greedy SamplingParams (ignore_eos) with output lengths drawn from
-    [max_tokens / 3, 5 max_tokens / 3] (seeded): the requests of a round end at
-    different steps and new ones start while others decode, as when served."""
-    from vllm import SamplingParams
-
+def staggered_lengths(num: int, max_tokens: int, seed: int = 0) -> list[int]:
+    """`num` output lengths drawn from [max_tokens / 3, 5 max_tokens / 3]
+    (seeded): requests end at different steps and new ones start while others
+    decode, as when served."""
     from adaflash_vllm.bench.workloads import seeded_lengths
 
     lo, hi = max(max_tokens // 3, 1), 5 * max_tokens // 3
+    return seeded_lengths(num, lo, hi, seed)
+
+
+def staggered_params(num: int, max_tokens: int, seed: int = 0) -> list:
+    """`num` greedy SamplingParams (ignore_eos) with `staggered_lengths`."""
+    from vllm import SamplingParams
+
     return [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        for n in seeded_lengths(num, lo, hi, seed)
+        for n in staggered_lengths(num, max_tokens, seed)
     ]
 
 
