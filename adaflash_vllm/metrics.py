@@ -47,13 +47,15 @@ class RoundStats:
         """One decode step's rounds: request i verified num_drafts[i] drafts and
         accepted num_accepted[i] of them."""
         k_max = self.num_speculative_tokens
-        verified = len(num_drafts) + sum(num_drafts)
-        self.rounds += len(num_drafts)
-        self.verified_tokens += verified
+        n, drafted = len(num_drafts), sum(num_drafts)
+        self.rounds += n
+        self.verified_tokens += n + drafted
+        if not drafted:  # a step without drafts (the draft gate skipped it)
+            self.verified_hist[0] += n
+            return
         self.accepted_tokens += sum(num_accepted)
-        if verified > len(num_drafts):  # some request verified a draft
-            self.speculative_rounds += len(num_drafts)
-            self.speculative_verified_tokens += verified
+        self.speculative_rounds += n  # some request verified a draft
+        self.speculative_verified_tokens += n + drafted
         for k, a in zip(num_drafts, num_accepted, strict=True):
             self.verified_hist[min(k, k_max)] += 1
             for j in range(min(k, k_max)):

@@ -339,14 +339,14 @@ class AdaFlashProposer(DFlashProposer):
         num_speculative_tokens: int,
         common_attn_metadata,
         context: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor | None:
+    ) -> list[list[int]] | None:
         """The runner calls this before it builds the drafter's inputs (patches.py
         W8). When the gate skips this step, skip it here: those inputs (next-token
         ids, rejected-token metadata) are then never built, and `context()` gives
         only what the skipped step needs, (positions [T], target features [T,
-        ...]). Returns the step's placeholders, or None after keeping the step's
-        opening for the `propose` that follows (the gate said draft, or there is
-        no gate)."""
+        ...]). Returns the step's placeholders (an empty draft per request), or
+        None after keeping the step's opening for the `propose` that follows (the
+        gate said draft, or there is no gate)."""
         self._opened = None
         if self.draft_gate is None or self._runner is None or self.captures is not None:
             return None
@@ -355,13 +355,16 @@ class AdaFlashProposer(DFlashProposer):
             self._opened = opened
             return None
         positions, features = context()
-        return self._skip_drafting(
+        self._skip_drafting(
             opened,
             num_speculative_tokens=num_speculative_tokens,
             target_positions=positions,
             target_hidden_states=features,
             common_attn_metadata=common_attn_metadata,
         )
+        # The runner's own placeholder form: nothing is copied back or read
+        # (every budget is 0: `take_draft_token_ids` returns None, W2).
+        return [[] for _ in opened.req_ids]
 
     @override
     def propose(self, *args, **kwargs) -> torch.Tensor:
@@ -378,7 +381,13 @@ class AdaFlashProposer(DFlashProposer):
         if opened is None:
             opened = self._open_step(num_reqs, kwargs["target_token_ids"].shape[0])
             if not opened.draft:
-                return self._skip_drafting(opened, **kwargs)
+                self._skip_drafting(opened, **kwargs)
+                return torch.zeros(
+                    num_reqs,
+                    kwargs["num_speculative_tokens"],
+                    dtype=torch.int64,
+                    device=self.device,
+                )
         started, req_ids, batch, last = (
             opened.started,
             opened.req_ids,
@@ -470,12 +479,12 @@ class AdaFlashProposer(DFlashProposer):
         target_hidden_states: torch.Tensor,  # [T, aux layers * target hidden]
         common_attn_metadata,  # of the drafter's KV cache group
         **_unused,
-    ) -> torch.Tensor:
+    ) -> None:
         """A step without a draft (see draft_gate.py): queue this step's context
         K/V for the drafter's cache (written before the next drafting step reads
         it: `_DeferredContext`), skip the block forward, and verify 0 drafts per
-        request. Returns [B, K] placeholders (every budget is 0, so none reaches
-        the scheduler).
+        request (the caller returns placeholders: every budget is 0, so none
+        reaches the scheduler).
 
         The T context tokens are every token the target just processed (rejected
         drafts included, as `set_inputs_first_pass` takes them); their cache slots
@@ -499,9 +508,6 @@ class AdaFlashProposer(DFlashProposer):
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - opened.started))
         self._remember_propose(opened.started, now, opened.batch, False, last)
-        return torch.zeros(
-            len(req_ids), num_speculative_tokens, dtype=torch.int64, device=self.device
-        )
 
     def _remember_propose(
         self,

@@ -84,9 +84,9 @@ def test_a_skipped_step_queues_its_context_unless_upkeep_is_off():
             common_attn_metadata=types.SimpleNamespace(slot_mapping=torch.arange(2)),
         )
 
-    out = skip()
+    skip()
     assert proposer._deferred.tokens == 0
-    assert out.shape == (2, 3) and proposer._budgets == {"a": 0, "b": 0}
+    assert proposer._budgets == {"a": 0, "b": 0}
     proposer.context_upkeep = True
     skip()
     assert proposer._deferred.tokens == 2

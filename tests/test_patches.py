@@ -24,7 +24,7 @@ def test_engine_patches_applied_by_plugin():
 
 
 def test_worker_patches_swap_proposer_and_revert():
-    """W1/W2 replace the runner's DFlashProposer and trim hook (W4-W8 are
+    """W1/W2 replace the runner's DFlashProposer and trim hook (W4-W9 are
     applied too; W3 only where the CPU overrides are); revert restores."""
     import vllm.v1.worker.gpu_model_runner as gmr
     from adaflash_vllm.proposers.proposer import AdaFlashProposer
@@ -36,7 +36,7 @@ def test_worker_patches_swap_proposer_and_revert():
         assert gmr.DFlashProposer is AdaFlashProposer
         assert issubclass(AdaFlashProposer, DFlashProposer)
         assert gmr.GPUModelRunner.take_draft_token_ids is not original_take
-        assert all(patches.is_applied(f"W{i}") for i in (1, 2, 4, 5, 6, 7, 8))
+        assert all(patches.is_applied(f"W{i}") for i in (1, 2, 4, 5, 6, 7, 8, 9))
     finally:
         patches.revert_all()
     assert gmr.DFlashProposer is DFlashProposer
@@ -80,6 +80,48 @@ def test_drafts_taken_for_the_output_are_handed_out_again():
     )
     assert take(runner) is held
     assert take(runner) is fresh  # nothing held any more: the runner's own
+
+
+def test_step_with_no_budget_never_reads_the_drafts_back():
+    """W2: when every budget is 0 (a gated step) the drafts are not read back;
+    with some budget they are trimmed per request; other drafters untouched."""
+    calls = []
+
+    def orig(runner):
+        calls.append(1)
+        return SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[1, 2, 3]] * 2)
+
+    take = patches._wrap_take_draft_token_ids(orig)
+    runner = SimpleNamespace(drafter=SimpleNamespace(take_budgets=lambda: {"a": 0}))
+    assert take(runner) is None and calls == []
+    runner.drafter.take_budgets = lambda: {"a": 0, "b": 2}
+    assert take(runner).draft_token_ids == [[], [1, 2]] and calls == [1]
+    other = SimpleNamespace(drafter=object())
+    assert take(other).draft_token_ids == [[1, 2, 3]] * 2
+
+
+def test_metadata_of_a_step_without_drafts_is_only_its_logits_indices():
+    """W9: no drafts (AdaFlash's drafter) -> one logit per request at its last
+    scheduled token, as plain decoding; drafts or another drafter -> vLLM's."""
+    import numpy as np
+    import torch
+
+    calls = []
+    gmr = SimpleNamespace(
+        async_tensor_h2d=lambda a, device: torch.as_tensor(a, device=device)
+    )
+    calc = patches._wrap_calc_spec_decode_metadata(
+        lambda *a: calls.append(a) or "vllm's", gmr
+    )
+    runner = SimpleNamespace(drafter=SimpleNamespace(take_budgets=dict), device="cpu")
+    cu = np.array([1, 2, 5, 6])  # the third request is prefilling 3 tokens
+    spec = calc(runner, np.zeros(4, dtype=np.int32), cu)
+    assert spec.logits_indices.tolist() == [0, 1, 4, 5] and calls == []
+    assert spec.num_draft_tokens == [0, 0, 0, 0] and spec.max_spec_len == 0
+    assert calc(runner, np.array([0, 2, 0, 0]), cu) == "vllm's"
+    other = SimpleNamespace(drafter=object(), device="cpu")
+    assert calc(other, np.zeros(4, dtype=np.int32), cu) == "vllm's"
+    assert len(calls) == 2
 
 
 class _Sampler:
