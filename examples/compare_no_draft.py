@@ -42,9 +42,15 @@ _ADAFLASH_VARIANTS = {
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)
+    "dipchecks": {},  # the gate before run 22 (_GATE_SETTINGS)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
-_GATE_SETTINGS = {"z2": {"switch_z": 2.0}}
+_GATE_SETTINGS = {
+    "z2": {"switch_z": 2.0},
+    # checks of skipping at most 128 steps apart, and one at once on any dip of
+    # drafting's recent rate, however far ahead its long-run rate is
+    "dipchecks": {"decisive_max_interval": 128, "shift_slow_margin": float("inf")},
+}
 
 
 def _spec(config: str) -> dict | None:
@@ -125,8 +131,8 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default="no_draft",
-        help="comma list of no_draft, dflash[:K], "
-        "adaflash[:adaptive_block|noskip|fixed|z2|never] (each compared to plain)",
+        help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip|"
+        "fixed|z2|never|dipchecks] (each compared to plain)",
     )
     args = p.parse_args()
     try:

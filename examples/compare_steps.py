@@ -209,6 +209,12 @@ def main() -> None:
                 "skipped_steps": gate.get("skipped_steps"),
             }
             print(f"{name}: {summary['adaflash_state'][name]}")
+            for bucket, g in (gate.get("buckets") or {}).items():
+                print(
+                    f"  {name} bucket {bucket}: drafted {g['drafted_steps']}, "
+                    f"skipped {g['skipped_steps']}, drafting {g['drafting']}, "
+                    f"switches {g['switches']}, explorations {g['explorations']}"
+                )
     line = json.dumps(summary)
     print(line)
     if args.out:

@@ -25,7 +25,12 @@ exploring a mode that clearly loses is a few slow rounds each time, which under
 heavy load are most of what the gate costs. While drafting, a drop of `shift_drop`
 in drafting's own rate since the last exploration (traffic moved to a domain the
 drafter knows less) that leaves it within `decisive_margin` of skipping's last
-measured rate starts an exploration at once instead of waiting out the backoff.
+measured rate starts an exploration at once instead of waiting out the backoff,
+unless drafting's long-run rate still beats skipping's by `shift_slow_margin` (at
+one request the recent rate dips that far every few rounds: those dips started
+half the checks of skipping). While drafting's long-run rate beats skipping's by
+`decisive_margin`, checks of skipping back off to `decisive_max_interval` rather
+than `max_interval`; a real shift still starts one at once.
 Exploring skips costs a few slow rounds, so it is only done when the cost model's
 own estimate (expected tokens per ms from the budgets and the step-cost curve) does
 not already favour drafting by `sure_margin`, nor drafting's measured long-run rate
@@ -71,10 +76,17 @@ class DraftGate:
     # while skipping (at most `skip_interval_per_request` x B as well): under load a
     # check of drafting is 3-4 rounds at 3x a plain step's time
     skip_max_interval: int = 512
+    # while drafting's long-run rate beats skipping's by `decisive_margin`: each
+    # check of skipping then costs a few rounds at well under drafting's rate (a
+    # shift in the traffic still starts one at once: `_draft_rate_fell`)
+    decisive_max_interval: int = 512
     explore_steps: int = 3
     sure_margin: float = 2.0  # model says drafting wins by this much: never skip
     decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
     shift_drop: float = 0.25  # drafting's rate fell this much since: explore now
+    # ... unless drafting's long-run rate is still this times skipping's (at one
+    # request the recent rate dips by a quarter every few rounds; inf: any dip)
+    shift_slow_margin: float = 1.25
     ema: float = 0.3
     switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
     skip_interval_per_request: int = 16  # while skipping, explore at most this x B
@@ -101,6 +113,9 @@ class DraftGate:
     rate_moments: dict = field(init=False)
     drafted_steps: int = 0
     skipped_steps: int = 0
+    # explorations started, by what started them, and switches of mode
+    explorations: dict = field(default_factory=dict)
+    switches: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
     # A smaller batch's gate skips decisively (set by BatchSizeGates each step):
     # drafting is followed here only on a decisive lead; `held_settled`: the last
@@ -128,14 +143,10 @@ class DraftGate:
             self._settle()
             draft = self.drafting
         elif not self.drafting and 4 * num_reqs <= 3 * self.switch_batch:
-            self._explore(num_reqs)  # fewer requests: drafting may pay again
+            self._explore(num_reqs, "batch_shrank")  # drafting may pay again
             draft = True
-        elif (
-            self.step >= self.explore_at
-            or self._draft_rate_fell()
-            or (self.held and self.drafting and not self.held_settled)
-        ) and self._worth_exploring():
-            self._explore(num_reqs)
+        elif (reason := self._exploration_due()) and self._worth_exploring():
+            self._explore(num_reqs, reason)
             draft = not self.drafting
         else:
             draft = self.drafting
@@ -236,7 +247,18 @@ class DraftGate:
         slow, skip = self.draft_rate_slow.ratio(), self.skip_rate.ratio()
         return slow is None or skip is None or slow < self.sure_margin * skip
 
-    def _explore(self, num_reqs: int) -> None:
+    def _exploration_due(self) -> str | None:
+        """Why the other mode is due a check now, if it is."""
+        if self.step >= self.explore_at:
+            return "backoff"
+        if self._draft_rate_fell():
+            return "draft_rate_fell"
+        if self.held and self.drafting and not self.held_settled:
+            return "held"
+        return None
+
+    def _explore(self, num_reqs: int, reason: str) -> None:
+        self.explorations[reason] = self.explorations.get(reason, 0) + 1
         # +1: the last exploring step's round is only credited at the next step.
         self.exploring_until = self.step + self.explore_steps + 1
         self.switch_batch = num_reqs
@@ -277,6 +299,9 @@ class DraftGate:
                 )
             grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
         cap = self.max_interval if best else self.skip_max_interval
+        if best and self._drafting_wins_decisively():
+            cap = max(cap, self.decisive_max_interval)
+        self.switches += best != self.drafting
         if best == self.drafting:
             self.interval = min(grow * self.interval, cap)
         elif (
@@ -305,6 +330,13 @@ class DraftGate:
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
 
+    def _drafting_wins_decisively(self, margin: float | None = None) -> bool:
+        """Drafting's long-run rate is `margin` (`decisive_margin`) times
+        skipping's last measured one."""
+        slow, skip = self.draft_rate_slow.ratio(), self.skip_rate.ratio()
+        margin = self.decisive_margin if margin is None else margin
+        return slow is not None and skip is not None and slow >= margin * skip
+
     def _draft_rate_fell(self) -> bool:
         """Drafting, its rate fell by `shift_drop` since the last exploration (e.g.
         traffic moved to a domain the drafter knows less), and it is no longer a
@@ -321,6 +353,7 @@ class DraftGate:
             and self.step >= self.settled_at + self.min_interval
             and rate < (1.0 - self.shift_drop) * then
             and rate < self.decisive_margin * skip
+            and not self._drafting_wins_decisively(self.shift_slow_margin)
         )
 
     def to_dict(self) -> dict:
@@ -336,6 +369,8 @@ class DraftGate:
             "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
             "held": self.held,
+            "explorations": dict(self.explorations),
+            "switches": self.switches,
         }
 
 

@@ -32,9 +32,17 @@ def test_keeps_drafting_when_drafting_delivers_more():
     modes = _serve(gate, 200, draft_rate=1.8, skip_rate=1.0)
     assert gate.drafting
     # explorations of skipping (4 rounds each) back off: 8, 32, 128 steps (drafting
-    # wins decisively: 1.8x the rate)
+    # wins decisively: 1.8x the rate, so past `max_interval` to 512)
     assert 0 < modes.count(False) <= 3 * 4
-    assert gate.interval == 128
+    assert gate.interval == 512
+
+
+def test_a_close_win_of_drafting_keeps_the_usual_backoff_cap():
+    """Drafting 1.2x skipping (not decisive): checks of skipping stay at most
+    `max_interval` apart."""
+    gate = DraftGate(min_interval=8, max_interval=128, explore_steps=3)
+    _serve(gate, 2000, draft_rate=1.2, skip_rate=1.0)
+    assert gate.drafting and gate.interval == 128
 
 
 def test_switches_to_skipping_when_plain_decoding_delivers_more():
@@ -204,6 +212,34 @@ def test_noise_aware_switching_keeps_drafting_at_low_load():
     assert skipped(slow_ema_per_request=1.0) < 0.6 * naive
     assert skipped(switch_z=0.0) < 0.6 * naive
     assert skipped() < 0.06 * 5 * steps  # explorations (backed off) and no more
+
+
+def test_noisy_rounds_of_a_decisive_drafting_win_start_no_checks():
+    """One request, drafting 1.7x skipping in the mean with rounds of 1 to 8
+    tokens: dips of the recent rate are not a traffic shift while drafting's
+    long-run rate stays decisive, and checks of skipping back off past
+    `max_interval` (before: 5.1% of the steps skipped, half of them started by
+    those dips)."""
+    gates = [DraftGate() for _ in range(5)]
+    skipped = sum(_low_load(g, 3000, seed) for seed, g in enumerate(gates))
+    assert skipped < 0.02 * 5 * 3000, skipped
+    assert sum(g.explorations.get("draft_rate_fell", 0) for g in gates) <= 5
+    assert all(g.drafting and g.interval == 512 for g in gates)
+
+
+def test_a_real_shift_still_starts_a_check_at_once():
+    """Drafting backed off to 512 at 1.8x skipping, a check just ended; the
+    traffic turns hard (drafts now at 0.8x skipping): a check of skipping starts
+    long before the backoff's, and the gate switches within 200 steps (once
+    drafting's long-run rate falls below skipping's)."""
+    gate = DraftGate(min_interval=8, max_interval=128, explore_steps=3)
+    _serve(gate, 1500, draft_rate=1.8, skip_rate=1.0, b=1, model_ratio=1.0)
+    while gate.settled_at != gate.step or gate.interval != 512:
+        _serve(gate, 1, draft_rate=1.8, skip_rate=1.0, b=1, model_ratio=1.0)
+    assert gate.drafting and gate.explore_at == gate.step + 512
+    modes = _serve(gate, 200, draft_rate=0.8, skip_rate=1.0, b=1, model_ratio=1.0)
+    assert gate.explorations.get("draft_rate_fell", 0) >= 1
+    assert not gate.drafting and modes[-30:].count(True) <= 4
 
 
 def test_steadily_losing_drafts_still_switch_at_low_load():
