@@ -204,12 +204,31 @@ def main() -> None:
     for name, llm in engines.items():
         if name.startswith("adaflash"):
             gate = llm.collective_rpc("adaflash_budget_state")[0]["draft_gate"] or {}
+            buckets = {
+                b: {
+                    k: g[k]
+                    for k in (
+                        "drafted_steps",
+                        "skipped_steps",
+                        "drafting",
+                        "switches",
+                        "explorations",
+                    )
+                }
+                for b, g in (gate.get("buckets") or {}).items()
+            }
             summary.setdefault("adaflash_state", {})[name] = {
                 "drafted_steps": gate.get("drafted_steps"),
                 "skipped_steps": gate.get("skipped_steps"),
+                "buckets": buckets,
             }
-            print(f"{name}: {summary['adaflash_state'][name]}")
-            for bucket, g in (gate.get("buckets") or {}).items():
+            steps = {
+                k: v
+                for k, v in summary["adaflash_state"][name].items()
+                if k != "buckets"
+            }
+            print(f"{name}: {steps}")
+            for bucket, g in buckets.items():
                 print(
                     f"  {name} bucket {bucket}: drafted {g['drafted_steps']}, "
                     f"skipped {g['skipped_steps']}, drafting {g['drafting']}, "

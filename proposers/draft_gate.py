@@ -244,8 +244,7 @@ class DraftGate:
         # measured one: the per-step estimate above swings with each step's
         # predicted acceptance (at one request from ~1x to 5x), and each check
         # there skipped steps that emit a quarter of a drafting step's tokens.
-        slow, skip = self.draft_rate_slow.ratio(), self.skip_rate.ratio()
-        return slow is None or skip is None or slow < self.sure_margin * skip
+        return not self._drafting_wins_decisively(self.sure_margin)
 
     def _exploration_due(self) -> str | None:
         """Why the other mode is due a check now, if it is."""
