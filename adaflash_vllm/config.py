@@ -57,10 +57,10 @@ class LengthConfig(_Struct):
     skip_drafting: bool = True
     # cost_aware: skip the drafter's forward on steps where even the best budgets
     # would emit fewer tokens per second than plain decoding (probing again later).
-    adaptive_block: bool = False
-    # cost_aware: run the drafter on a block of only the L <= K slots worth
-    # verifying (chosen from a full-K probe now and then; block_length.py). Off by
-    # default: on the CPU demo it measured no gain (docs/BENCHMARKS.md).
+    adaptive_block: bool = True
+    # cost_aware: run the drafter on a block of only the L <= K slots that pay
+    # for their time, per batch-size bucket, from measured round times and
+    # per-position acceptance (block_length.py).
 
 
 class AdmissionConfig(_Struct):
@@ -153,6 +153,7 @@ class RuntimeInfo(_Struct):
 
     num_speculative_tokens: int
     stats_path: str  # file the engine core publishes AdaFlash counters to
+    run_dir: str = ""  # this engine's folder (a spawned trainer's config, log)
     target: str = ""  # the served model (the online trainer loads its own copy)
     drafter: str = ""  # the drafter the engine started from (version 0)
 

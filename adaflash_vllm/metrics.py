@@ -105,7 +105,9 @@ class StatsPublisher:
             os.replace(tmp, self.path)
             self._failed = False
         except OSError as e:  # full disk, removed dir: metrics stall, serving goes on
-            if not self._failed:
+            # (a folder the frontend removed as it exited: nobody is reading)
+            gone = not os.path.isdir(os.path.dirname(self.path))
+            if not self._failed and not gone:
                 logger.warning("AdaFlash: cannot publish metrics to %s: %s", tmp, e)
             self._failed = True
 

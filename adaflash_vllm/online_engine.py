@@ -346,7 +346,7 @@ def spawn_trainer(cfg: AdaFlashConfig, runtime: RuntimeInfo) -> subprocess.Popen
     """Start `adaflash trainer` for this engine (its own process and cores)."""
     import msgspec
 
-    run_dir = Path(runtime.stats_path).parent
+    run_dir = Path(runtime.run_dir or Path(runtime.stats_path).parent)
     config_path = run_dir / "trainer-config.json"
     config_path.write_text(
         json.dumps(

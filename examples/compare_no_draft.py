@@ -15,6 +15,9 @@ K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
 `length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
+`adaflash:kN` (the same with `num_speculative_tokens` N instead of 7: its
+drafter's length head, trained for 7, is then left out; variants combine with
+`+`, e.g. `adaflash:k5+noskip`),
 `adaflash:never` (`cost_aware` with a gate that never drafts: what the policy's
 own upkeep costs on skipped steps, against `no_draft`) and `adaflash:z2` (the
 draft gate switching modes only past 2 standard errors, set
@@ -65,9 +68,33 @@ def _spec(config: str) -> dict | None:
     if config == "no_draft":
         spec["adaflash"] = {"length": {"mode": "fixed"}}
     elif name == "adaflash":
-        length = {"mode": "cost_aware", **_ADAFLASH_VARIANTS.get(k, {})}
+        length = {"mode": "cost_aware"}
+        for part in _variant_parts(k):
+            if _adaflash_k(part):
+                spec["num_speculative_tokens"] = _adaflash_k(part)
+            else:
+                length.update(_ADAFLASH_VARIANTS[part])
         spec["adaflash"] = {"length": length}
     return spec
+
+
+def _variant_parts(variant: str) -> list[str]:
+    """`adaflash:A+B`: the variants A and B together (e.g. `k5+noskip`)."""
+    return [p for p in variant.split("+") if p]
+
+
+def _adaflash_k(variant: str) -> int | None:
+    """K of an `adaflash:kN` variant (AdaFlash with num_speculative_tokens N)."""
+    if variant[:1] == "k" and variant[1:].isdigit() and int(variant[1:]) >= 1:
+        return int(variant[1:])
+    return None
+
+
+def _adaflash_variant_ok(variant: str) -> bool:
+    parts = _variant_parts(variant)
+    return bool(parts) and all(
+        p in _ADAFLASH_VARIANTS or _adaflash_k(p) for p in parts
+    )
 
 
 def parse_configs(text: str, no_draft_variants=frozenset()) -> list[str]:
@@ -79,7 +106,7 @@ def parse_configs(text: str, no_draft_variants=frozenset()) -> list[str]:
         if name not in ("plain", "no_draft", "dflash", "adaflash") or not (
             k == ""
             or (name == "dflash" and k.isdigit() and int(k) >= 1)
-            or (name == "adaflash" and k in _ADAFLASH_VARIANTS)
+            or (name == "adaflash" and _adaflash_variant_ok(k))
             or (name == "no_draft" and k in no_draft_variants)
         ):
             raise ValueError(f"unknown config {c!r}")
@@ -104,7 +131,9 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
     )
     if config in ("no_draft", "adaflash:never"):
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
-    settings = _GATE_SETTINGS.get(config.partition(":")[2])
+    settings = {}
+    for part in _variant_parts(config.partition(":")[2]):
+        settings.update(_GATE_SETTINGS.get(part, {}))
     if config.startswith("adaflash:") and settings:
         llm.collective_rpc("adaflash_debug_gate", args=(settings,))
     return llm

@@ -1,137 +1,214 @@
 """How long a block the drafter runs this step (`cost_aware` with `adaptive_block`).
 
-DFlash drafts in one pass over a block of 1 + K query positions per request (the
-bonus token and K masks), so its forward costs in proportion to the block whatever
-the budgets then keep. Under load the cost-aware budgets keep one or two drafts
-per request and most of the block is drafted only to be thrown away. vLLM's DFlash
-proposer runs any block length L <= K (`num_speculative_tokens` of `propose`), so
-the step can draft only the slots it would verify. A shorter block's drafts are
-not exactly the first L of the full block's (the masks attend to each other), but
-they are proposals like any other: verification keeps the output lossless.
+DFlash drafts in one pass over a block of 1 + L query positions per request (the
+bonus token and L masks), and the target then verifies up to 1 + L tokens per
+request. vLLM's DFlash proposer runs any L <= K (`num_speculative_tokens` of
+`propose`), so each step can draft a shorter block than the configured K. A
+shorter block's drafts are not exactly the first L of the full block's (the masks
+attend to each other), but they are proposals like any other: verification keeps
+the output lossless.
 
-Choice. Every probe step runs the full block. Its survivals s [B, K] and measured
-drafting time give, for each L in 1..K, the best budgets restricted to the first L
-slots (`budget.allocate_budgets`) and their expected rate
+Whether the last slots of a block pay depends on the machine and the load. At one
+request on the CPU demo a round of K = 7 takes ~0.6 ms (7%) longer than one of
+K = 5, while the 6th and 7th drafts add about 0.08 accepted tokens per round:
+stock DFlash with K = 5 is ~4% faster there than with K = 7 (BENCHMARKS.md run
+23). On a GPU at low load the full block is nearly free. So L is chosen per
+batch-size bucket (`draft_gate.batch_bucket`) by
 
-    rate(L) = tokens_L / (draft_ms(L) + verify_ms(n_L))
+    rate(L) = B (1 + S_1 + ... + S_L) / round_ms(L)
 
-where draft_ms(L) is a line in the block's query tokens B (1 + L): through the
-measured full block and the measured short blocks when there are some, else
-through the context-only time (a step without a draft, from the draft gate) at
-L = 0. Steps until the next probe run blocks of L* = argmax rate(L). A probe that
-confirms L* doubles the interval to the next (up to `max_interval`); one that
-changes it goes back to `min_interval`. The draft gate still compares drafting
-(now at L*) with not drafting at all, on measured rates.
+- S_j, the share of verified rounds that accepted at least j drafts, from the
+  rejection sampler's per-position counts (`PositionSurvival`), over every
+  drafting step: every round that verified draft j tells about S_j, so the
+  estimate is precise where one round's tokens are not (1 to K + 1 at one
+  request);
+- round_ms(L), the measured time of a round (from one propose to the next: the
+  drafter, then verification) at L. A round's time moves with the machine
+  (tens of percent within a minute on this VM) by more than L changes it, so
+  lengths are compared in *trials*: L* and one other length L' take turns, step
+  by step, for `trial_rounds` clean rounds each (the last step's requests, after
+  a drafting step: no prompt's context and no skipped steps' backlog), and their
+  median round times are compared.
+
+L* starts at K. A trial that finds L' faster by `switch_margin` adopts it, and
+the next trial follows at once; otherwise trials back off (`min_interval`
+doubling to `max_interval` drafting steps). L' takes turns between L* - 1, L* + 1
+and K (which also keeps the S_j beyond L* measured). Budgets still trim each
+request's drafts within L, and the draft gate still compares drafting (at L*)
+with not drafting at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-from adaflash_vllm.proposers.budget import allocate_budgets
+from adaflash_vllm.proposers.draft_gate import batch_bucket
+
+
+class PositionSurvival:
+    """S_j for j = 1..K: accepted-at-least-j over verified-at-least-j rounds, as
+    EMAs of both sums of the rejection sampler's per-position counts (its
+    `stats()`: cumulative `drafted[j - 1]`, `accepted[j - 1]`). Each update
+    weighs as its rounds would one by one (`per_round`): at one request a step
+    is one round and the estimate spans ~100 of them; at 32 requests a step
+    moves it by a quarter."""
+
+    def __init__(self, k: int, per_round: float = 0.01):
+        self.k, self.per_round = k, per_round
+        self._num = [0.0] * k
+        self._den = [0.0] * k
+        self._last: tuple[list[int], list[int]] | None = None
+
+    def update(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """Take the counts since the last update (cumulative counts in)."""
+        drafted, accepted = list(drafted[: self.k]), list(accepted[: self.k])
+        drafted += [0] * (self.k - len(drafted))
+        accepted += [0] * (self.k - len(accepted))
+        if self._last is not None:
+            for j in range(self.k):
+                d = drafted[j] - self._last[0][j]
+                if d <= 0:
+                    continue
+                a = accepted[j] - self._last[1][j]
+                w = 1.0 if self._den[j] == 0 else 1 - (1 - self.per_round) ** d
+                # EMAs of per-round sums: a / d per round, d rounds at once
+                self._num[j] += w * (a / d - self._num[j])
+                self._den[j] += w * (1.0 - self._den[j])
+        self._last = (drafted, accepted)
+
+    def survival(self) -> list[float] | None:
+        """[S_1, ..., S_K], non-increasing; None until every position has been
+        verified at least once."""
+        out, prev = [], 1.0
+        for num, den in zip(self._num, self._den, strict=True):
+            if den <= 0:
+                return None
+            prev = min(prev, num / den)
+            out.append(prev)
+        return out
+
+
+@dataclass
+class _Bucket:
+    """One batch-size bucket's block length and its trials."""
+
+    length: int  # L*
+    other: int | None = None  # L' of the running trial
+    times: dict[int, list[float]] = field(default_factory=dict)  # round ms per L
+    turn: int = 0  # steps into the trial (L* on even, L' on odd)
+    interval: int = 16
+    drafting_steps: int = 0
+    trial_at: int = 0  # drafting step at which the next trial starts
+    trials: int = 0
+    switches: int = 0
+    last_rates: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
 class BlockLength:
+    """The drafter's block length per step, per batch-size bucket (module
+    docstring). `next_length(B)` before the drafter runs; `record_round` when
+    the next step times the round."""
+
     full: int  # K
     k_min: int = 1
-    min_interval: int = 8
-    max_interval: int = 128
-    ema: float = 0.3
-    length: int = 0  # L* (0: not chosen yet; the first step probes)
-    interval: int = 8
-    steps_to_probe: int = 0
-    probes: int = 0
-    probing: bool = False  # this step's block is a probe (full K)
-    # EMA of drafting ms per request at each block length L
-    ms_per_request: dict[int, float] = field(default_factory=dict)
-    last_rates: dict[int, float] = field(default_factory=dict)
+    min_interval: int = 16
+    max_interval: int = 512
+    trial_rounds: int = 16  # clean rounds per length in a trial
+    switch_margin: float = 0.01  # L' must beat L* by 1%
+    # a bucket's first drafting steps run the full block without a trial: the
+    # first steps of a batch size run slower (1.2-3x at one request here)
+    warmup_steps: int = 16
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.full < 1:
             raise ValueError(f"block length needs K >= 1, got {self.full}")
-        self.interval = self.min_interval
+        self.shortest = min(max(self.k_min, 1), self.full)
 
-    def next_length(self) -> int:
-        """The block length of this drafting step (K on a probe)."""
-        self.probing = self.length == 0 or self.steps_to_probe <= 0
-        if self.probing:
-            return self.full
-        self.steps_to_probe -= 1
-        return self.length
+    def _bucket(self, num_reqs: int) -> _Bucket:
+        key = batch_bucket(num_reqs)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(
+                length=self.full,
+                interval=self.min_interval,
+                trial_at=self.warmup_steps,
+            )
+        return b
 
-    def observe(
+    def next_length(self, num_reqs: int) -> int:
+        """The block length of this drafting step."""
+        b = self._bucket(num_reqs)
+        b.drafting_steps += 1
+        if b.other is None and b.drafting_steps > b.trial_at:
+            other = self._next_other(b)
+            if other is not None:
+                b.other, b.times, b.turn = other, {b.length: [], other: []}, 0
+        if b.other is None:
+            return b.length
+        b.turn += 1
+        return b.other if b.turn % 2 == 0 else b.length
+
+    def _next_other(self, b: _Bucket) -> int | None:
+        """L' of the next trial, in turn: L* - 1, L* + 1, K (those that exist)."""
+        turn = [n for n in (b.length - 1, b.length + 1) if n != self.full]
+        turn.append(self.full)
+        turn = [n for n in turn if self.shortest <= n <= self.full and n != b.length]
+        return turn[b.trials % len(turn)] if turn else None
+
+    def record_round(
         self,
         *,
         length: int,
         num_reqs: int,
-        draft_ms: float,
-        survival: torch.Tensor | None,  # [B, L] of this step
-        cost: Callable[[float], float] | None,
-        context_ms: float = 0.0,
+        round_ms: float,
+        survival: Sequence[float] | None,
     ) -> None:
-        """After a drafting step of block `length`: its drafting time, and on a
-        probe (full block) the survivals that choose the next L*."""
-        if num_reqs > 0 and draft_ms > 0:
-            old = self.ms_per_request.get(length)
-            per = draft_ms / num_reqs
-            self.ms_per_request[length] = (
-                per if old is None else old + self.ema * (per - old)
-            )
-        probing, self.probing = self.probing, False
-        if not probing or length != self.full or survival is None or cost is None:
+        """A clean drafting round of block `length` for `num_reqs` requests took
+        `round_ms` (its propose to the next); `survival` is
+        `PositionSurvival.survival()`."""
+        b = self.buckets.get(batch_bucket(num_reqs))
+        if b is None or b.other is None or round_ms <= 0 or length not in b.times:
             return
-        best = self.choose(survival, cost, num_reqs, context_ms)
-        self.probes += 1
-        if best == self.length:
-            self.interval = min(2 * self.interval, self.max_interval)
+        b.times[length].append(round_ms)
+        if min(len(t) for t in b.times.values()) < self.trial_rounds:
+            return
+        if survival is None:  # nothing to weigh the lengths by yet: try later
+            b.other = None
+            b.trial_at = b.drafting_steps + b.interval
+            return
+        rates = {
+            n: num_reqs * (1.0 + sum(survival[:n])) / statistics.median(t)
+            for n, t in b.times.items()
+        }
+        b.last_rates, other, b.other = rates, b.other, None
+        b.trials += 1
+        if rates[other] > (1.0 + self.switch_margin) * rates[b.length]:
+            b.length, b.switches = other, b.switches + 1
+            b.interval = self.min_interval
+            b.trial_at = b.drafting_steps  # go on at once (the next neighbour)
         else:
-            self.length, self.interval = best, self.min_interval
-        self.steps_to_probe = self.interval
-
-    def draft_ms(self, length: int, num_reqs: int, context_ms: float) -> float:
-        """Estimated drafting time of a block of `length` for `num_reqs` requests:
-        linear in the block's query tokens (module docstring)."""
-        points = sorted(self.ms_per_request.items())
-        if len(points) == 1:  # only the full block so far: anchor at context-only
-            points = [(0, max(context_ms, 0.0) / max(num_reqs, 1)), *points]
-        # Least squares over the measured lengths (through both when there are two).
-        xs = [float(lv) for lv, _ in points]
-        ys = [m for _, m in points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-        return max(my + slope * (length - mx), 0.0) * num_reqs
-
-    def choose(
-        self,
-        survival: torch.Tensor,
-        cost: Callable[[float], float],
-        num_reqs: int,
-        context_ms: float = 0.0,
-    ) -> int:
-        """argmax over L of rate(L) for the full-block survivals [B, K]."""
-        rates = {}
-        for length in range(1, self.full + 1):
-            extra = self.draft_ms(length, num_reqs, context_ms)
-            _, choice = allocate_budgets(
-                survival[:, :length], cost, self.k_min, extra_ms=extra
-            )
-            rates[length] = choice["tokens_per_ms"]
-        self.last_rates = rates
-        best = max(rates.values())
-        # The shortest block within 1% of the best: ties go to less drafting.
-        return min(length for length, r in rates.items() if r >= 0.99 * best)
+            b.trial_at = b.drafting_steps + b.interval
+            b.interval = min(2 * b.interval, self.max_interval)
 
     def to_dict(self) -> dict:
         return {
-            "length": self.length or self.full,
-            "interval": self.interval,
-            "probes": self.probes,
-            "ms_per_request": dict(self.ms_per_request),
-            "last_rates": dict(self.last_rates),
+            "full": self.full,
+            "buckets": {
+                str(key): {
+                    "length": b.length,
+                    "trial_with": b.other,
+                    "interval": b.interval,
+                    "drafting_steps": b.drafting_steps,
+                    "trials": b.trials,
+                    "switches": b.switches,
+                    "last_rates": {str(n): r for n, r in sorted(b.last_rates.items())},
+                }
+                for key, b in sorted(self.buckets.items())
+            },
         }
 
 
@@ -146,13 +223,13 @@ class ScriptedBlockLength:
         self.step = 0
         self.used: dict[int, int] = {}
 
-    def next_length(self) -> int:
+    def next_length(self, num_reqs: int = 1) -> int:
         length = 1 + self.step % self.full
         self.step += 1
         self.used[length] = self.used.get(length, 0) + 1
         return length
 
-    def observe(self, **_) -> None:
+    def record_round(self, **_) -> None:
         pass
 
     def to_dict(self) -> dict:

@@ -23,6 +23,7 @@ slots were free.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable
 
@@ -109,7 +110,7 @@ class StepCostModel:
         # More tokens never cost less. The running max is taken, not written back:
         # written back, every dip of a point below its left neighbour was undone
         # while every rise stayed, and noise alone ratcheted the curve up.
-        self.times_ms = np.maximum.accumulate(self._shape).tolist()
+        self.times_ms = list(itertools.accumulate(self._shape, max))
         self.observations += 1
 
     @property
@@ -173,11 +174,19 @@ def profile_step_costs(
     return StepCostModel(sizes, times)
 
 
-def profile_sizes(max_tokens: int) -> list[int]:
-    """1, 2, 4, ... up to max_tokens (inclusive)."""
-    sizes, n = [], 1
+def profile_sizes(max_tokens: int, every_up_to: int = 1) -> list[int]:
+    """Every count 1, 2, ..., `every_up_to`, then doubling (2x `every_up_to`, ...)
+    up to max_tokens (inclusive).
+
+    Small counts are profiled one by one because the curve is not smooth there:
+    at one request on the CPU demo a forward costs the same for 1 to 6 tokens and
+    rises at 7 (kernels tile the rows), and a curve interpolated between 4 and 8
+    priced the 5th draft as much as the 7th, so the budgets could not see that the
+    first five drafts are free and the last two are not."""
+    sizes = set(range(1, min(every_up_to, max_tokens) + 1))
+    n = max(every_up_to, 1)
     while n < max_tokens:
-        sizes.append(n)
+        sizes.add(n)
         n *= 2
-    sizes.append(max_tokens)
-    return sorted(set(sizes))
+    sizes.add(max_tokens)
+    return sorted(sizes)

@@ -113,10 +113,26 @@ class DraftGate:
     rate_moments: dict = field(init=False)
     drafted_steps: int = 0
     skipped_steps: int = 0
-    # explorations started, by what started them, and switches of mode
+    # explorations started, by what started them, and switches of mode; checks
+    # of skipping on its predicted rate (by cause) and the switches they made
     explorations: dict = field(default_factory=dict)
     switches: int = 0
+    predicted_checks: dict = field(default_factory=dict)
+    predicted_switches: int = 0
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
+    # While drafting, a check of skipping needs no skipped rounds: skipping's
+    # rate is predicted from its last measured one, scaled by how the step-cost
+    # curve at B tokens (a plain step's cost, `plain_ms` of `should_draft`)
+    # moved since. A round without a draft emits one token per request at
+    # about a plain step's cost, so the scale follows the machine's speed
+    # (drafting's rate follows the text, and is measured). Such a check comes
+    # when an exploration would, and decides as `_settle` does; skipping is
+    # explored for real only when its last measurement is
+    # `skip_remeasure_steps` old (to keep the scale true).
+    skip_remeasure_steps: int = 2048
+    plain_ms: float | None = None  # the cost curve at B tokens, this step
+    skip_plain_ms: RatioEMA = field(init=False)  # plain_ms over skipped rounds
+    skip_measured_at: int = 0  # step of the last skipped round measured
     # A smaller batch's gate skips decisively (set by BatchSizeGates each step):
     # drafting is followed here only on a decisive lead; `held_settled`: the last
     # exploration ended while held
@@ -126,11 +142,14 @@ class DraftGate:
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
         self.draft_rate_slow = RatioEMA(self.ema)
+        self.skip_plain_ms = RatioEMA(self.ema)
         self.rate_moments = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}
 
-    def should_draft(self, num_reqs: int) -> bool:
-        """Called once per step before proposing."""
+    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
+        """Called once per step before proposing. `plain_ms`: the step-cost
+        curve at `num_reqs` tokens (None: no curve; skipping is then explored)."""
         self.step += 1
+        self.plain_ms = plain_ms if plain_ms is not None and plain_ms > 0 else None
         if not 3 * self.slow_batch <= 4 * num_reqs <= 5 * self.slow_batch:
             # The batch moved by more than a quarter: rates are not comparable.
             # A round of B requests weighs as B one-request rounds would.
@@ -146,8 +165,12 @@ class DraftGate:
             self._explore(num_reqs, "batch_shrank")  # drafting may pay again
             draft = True
         elif (reason := self._exploration_due()) and self._worth_exploring():
-            self._explore(num_reqs, reason)
-            draft = not self.drafting
+            if self._can_predict_skipping():
+                self._check_predicted(num_reqs, reason)  # no rounds spent
+                draft = self.drafting
+            else:
+                self._explore(num_reqs, reason)
+                draft = not self.drafting
         else:
             draft = self.drafting
         self.drafted_steps += draft
@@ -161,6 +184,10 @@ class DraftGate:
             (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
             if drafted:
                 self.draft_rate_slow.add(tokens, ms)
+            else:
+                self.skip_measured_at = self.step
+                if self.plain_ms is not None:
+                    self.skip_plain_ms.add(self.plain_ms, 1.0)
             m = self.rate_moments[drafted]
             r, a = tokens / ms, self.ema if m[0] else 1.0
             m[0] += 1
@@ -296,7 +323,18 @@ class DraftGate:
                 best = d > s + noise and (
                     model is None or model * self.sure_margin >= 1
                 )
-            grow = 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
+            grow = self._growth(d, s)
+        self._adopt(best, grow)
+
+    def _growth(self, d: float | None, s: float | None) -> int:
+        """How fast the backoff grows: 4x after a decisive result, else 2x."""
+        if d is None or s is None:
+            return 2
+        return 4 if max(d, s) >= self.decisive_margin * min(d, s) else 2
+
+    def _adopt(self, best: bool, grow: int) -> None:
+        """Follow mode `best` (True: drafting) and set the next check of the
+        other one."""
         cap = self.max_interval if best else self.skip_max_interval
         if best and self._drafting_wins_decisively():
             cap = max(cap, self.decisive_max_interval)
@@ -328,6 +366,39 @@ class DraftGate:
         self.held_settled = self.held
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
+
+    def _predicted_skip_rate(self) -> float | None:
+        """Skipping's last measured rate, scaled by the plain step's cost then
+        over now (None without a curve or a measured skipped round)."""
+        skip, then = self.skip_rate.ratio(), self.skip_plain_ms.ratio()
+        if skip is None or then is None or self.plain_ms is None:
+            return None
+        return skip * then / self.plain_ms
+
+    def _can_predict_skipping(self) -> bool:
+        """Drafting, with a predicted skipping rate measured recently enough."""
+        return (
+            self.drafting
+            and self._predicted_skip_rate() is not None
+            and self.step - self.skip_measured_at < self.skip_remeasure_steps
+        )
+
+    def _check_predicted(self, num_reqs: int, reason: str) -> None:
+        """A check of skipping on its predicted rate: `_settle`'s rule, with no
+        skipped rounds."""
+        self.predicted_checks[reason] = self.predicted_checks.get(reason, 0) + 1
+        self.switch_batch = num_reqs
+        d, s = self.draft_rate.ratio(), self._predicted_skip_rate()
+        best = True
+        if d is not None and s is not None:
+            if self.held:
+                best = d >= self.decisive_margin * s
+            else:
+                noise = self.switch_z * self._difference_noise()
+                slow = self.draft_rate_slow.ratio()
+                best = not (s > d + noise and (slow is None or s > slow))
+        self.predicted_switches += not best
+        self._adopt(best, self._growth(d, s))
 
     def _drafting_wins_decisively(self, margin: float | None = None) -> bool:
         """Drafting's long-run rate is `margin` (`decisive_margin`) times
@@ -370,6 +441,9 @@ class DraftGate:
             "held": self.held,
             "explorations": dict(self.explorations),
             "switches": self.switches,
+            "predicted_checks": dict(self.predicted_checks),
+            "predicted_switches": self.predicted_switches,
+            "predicted_skip_tokens_per_ms": self._predicted_skip_rate(),
         }
 
 
@@ -407,7 +481,7 @@ class BatchSizeGates:
     last_skip: DraftGate | None = None  # the bucket of the last skipped step
     switched: bool = False  # the last should_draft switched its bucket's mode
 
-    def should_draft(self, num_reqs: int) -> bool:
+    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
         bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
         gate = self.gates.get(bucket)
         held = self.per_batch_size and any(
@@ -425,7 +499,7 @@ class BatchSizeGates:
         gate.held = held
         self.current = gate
         following = gate.drafting
-        draft = gate.should_draft(num_reqs)
+        draft = gate.should_draft(num_reqs, plain_ms)
         self.switched = gate.drafting != following
         if not draft:
             self.last_skip = gate
@@ -512,7 +586,7 @@ class ScriptedDraftGate:
         self.draft_every = draft_every
         self.step = self.drafted_steps = self.skipped_steps = 0
 
-    def should_draft(self, num_reqs: int) -> bool:
+    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
         self.step += 1
         draft = self.step % self.draft_every == 0
         self.drafted_steps += draft

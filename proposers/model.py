@@ -62,8 +62,9 @@ class AdaFlashDFlashModel(DFlashQwen3Model):
 
     @override
     def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
-        # all_k: [L, num_ctx, nkv, hd]; self._k_norm_weights: [L, hd]
-        if grouped_rms_norm_supported(all_k.device):
+        # all_k: [L, num_ctx, nkv, hd]; self._k_norm_weights: [L, hd]. With one
+        # layer there is no other layer's weight to confuse: vLLM's kernel.
+        if all_k.shape[0] == 1 or grouped_rms_norm_supported(all_k.device):
             return super()._normalize_context_k(all_k)
         xf = all_k.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)

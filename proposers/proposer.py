@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from adaflash_vllm.proposers.block_length import BlockLength
+from adaflash_vllm.proposers.block_length import BlockLength, PositionSurvival
 from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
 from adaflash_vllm.proposers.cost_model import (
     StepCostModel,
@@ -129,6 +129,7 @@ class _Propose(NamedTuple):
     drafted: bool
     after_drafted: bool | None = None
     budgets: dict[str, int] | None = None  # drafts each request sent to verify
+    length: int = 0  # the block it drafted (0: none)
 
 
 class _Opened(NamedTuple):
@@ -163,6 +164,9 @@ class AdaFlashProposer(DFlashProposer):
         self._confidence_ms = 0.0  # the confidence features' time, this step
         self._mask_confidence: torch.Tensor | None = None  # [B * K, 3], same propose
         self._deferred = _DeferredContext()  # context K/V of skipped steps
+        # S_j of verified rounds, for the block length (block_length.py)
+        self._position_survival = PositionSurvival(self.num_speculative_tokens)
+        self._rounds_since_counts = 0
         # Measurements only (adaflash_debug_context_upkeep): False queues nothing
         # on skipped steps, so that a benchmark can price the upkeep; the drafter's
         # cache then lacks those tokens (later drafts worse, output unchanged).
@@ -324,10 +328,15 @@ class AdaFlashProposer(DFlashProposer):
         batch = frozenset(req_ids)
         last, self._last_propose = self._last_propose, None
         accepted = self._observe_step_cost(last, batch, started, num_tokens)
+        if self.block_length is not None:
+            self._record_block_round(last, batch, started)
         gate, draft = self.draft_gate, True
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
-            draft = gate.should_draft(num_reqs)
+            cost = self.cost_model
+            draft = gate.should_draft(
+                num_reqs, plain_ms=cost(num_reqs) if cost is not None else None
+            )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
         return _Opened(started, req_ids, batch, last, draft)
@@ -398,13 +407,11 @@ class AdaFlashProposer(DFlashProposer):
         started = self._write_deferred_context(gate, started)
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
-        length = (
-            block.next_length() if block is not None and block.full == full else full
-        )
+        if block is not None and block.full != full:
+            block = None
+        length = block.next_length(num_reqs) if block is not None else full
         use = getattr(self.budget_policy, "use", None)
-        # A block-length probe reads the survivals: it always chooses.
-        probe = block is not None and getattr(block, "probing", False)
-        self._choosing = use is None or use.active(num_reqs, force=probe)
+        self._choosing = use is None or use.active(num_reqs)
         if not self._choosing:
             self.budget_policy.skip_choice()
         if length != full:
@@ -426,7 +433,9 @@ class AdaFlashProposer(DFlashProposer):
             # Choosing does not pay at this batch size (BudgetUse): every draft
             # of the block is verified (a short block's padding still is not).
             self._budgets = dict.fromkeys(req_ids, num_drafts)
-            self._remember_propose(started, self._synced_clock(), batch, True, last)
+            self._remember_propose(
+                started, self._synced_clock(), batch, True, last, num_drafts
+            )
         elif self.budget_policy is not None:
             chose_at = self._synced_clock()
             budgets = self.budget_policy.choose(
@@ -454,16 +463,7 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
-            if block is not None and budgets is not None:
-                block.observe(
-                    length=num_drafts,
-                    num_reqs=num_reqs,
-                    draft_ms=1e3 * (now - started),
-                    survival=getattr(self.budget_policy, "last_survival", None),
-                    cost=self.cost_model,
-                    context_ms=gate.context_ms if gate is not None else 0.0,
-                )
-            self._remember_propose(started, now, batch, True, last)
+            self._remember_propose(started, now, batch, True, last, num_drafts)
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
                 draft_token_ids, (0, full - num_drafts)
@@ -516,11 +516,12 @@ class AdaFlashProposer(DFlashProposer):
         batch: frozenset[str],
         drafted: bool,
         last: _Propose | None,
+        length: int = 0,
     ) -> None:
         """Keep this propose (with the budgets it chose) for the next step."""
         after = None if last is None else last.drafted
         self._last_propose = _Propose(
-            started, now, batch, drafted, after, self._budgets
+            started, now, batch, drafted, after, self._budgets, length
         )
 
     def _write_deferred_context(self, gate, started: float) -> float:
@@ -622,6 +623,29 @@ class AdaFlashProposer(DFlashProposer):
             drafted=last.drafted, tokens=len(last.batch) + accepted, ms=ms
         )
 
+    def _record_block_round(
+        self, last: _Propose | None, batch: frozenset[str], started: float
+    ) -> None:
+        """The last step's drafting round, for the block length: its time (its
+        propose to this one) when clean (the same requests, none new, and a
+        drafting step before it), and the per-position acceptance so far."""
+        if last is None or not last.drafted:
+            return
+        sampler = getattr(self._runner, "rejection_sampler", None)
+        self._rounds_since_counts += 1
+        if hasattr(sampler, "stats") and self._rounds_since_counts >= 4:
+            # every 4th drafting round: the counts are cumulative
+            self._rounds_since_counts = 0
+            counts = sampler.stats()
+            self._position_survival.update(counts["drafted"], counts["accepted"])
+        if batch == last.batch and last.after_drafted is not False:
+            self.block_length.record_round(
+                length=last.length,
+                num_reqs=len(last.batch),
+                round_ms=1e3 * (started - last.started),
+                survival=self._position_survival.survival(),
+            )
+
     def _sampler_accepted(self) -> int:
         sampler = getattr(self._runner, "rejection_sampler", None)
         return sampler.accepted_total() if hasattr(sampler, "accepted_total") else 0
@@ -656,7 +680,9 @@ class AdaFlashProposer(DFlashProposer):
         try:
             sync = torch.cuda.synchronize if self.device.type == "cuda" else None
             self.cost_model = profile_step_costs(
-                lambda n: runner._dummy_run(n), profile_sizes(max_tokens), sync=sync
+                lambda n: runner._dummy_run(n),
+                profile_sizes(max_tokens, every_up_to=2 * (1 + k)),
+                sync=sync,
             )
             logger.info(
                 "AdaFlash cost profile (verified tokens -> ms): %s",

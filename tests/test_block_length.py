@@ -1,101 +1,152 @@
 """The drafter's block length per step (proposers/block_length.py), engine-free:
-synthetic survivals, cost curves and drafting times."""
+synthetic per-position survivals and round times, with a machine whose speed
+swings."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-import torch
-from adaflash_vllm.proposers.block_length import BlockLength
+from adaflash_vllm.proposers.block_length import BlockLength, PositionSurvival
 
 K = 7
 
-
-def _survival(b: int, p: float) -> torch.Tensor:
-    """[b, K] geometric survivals p, p^2, ..."""
-    return (p ** torch.arange(1, K + 1, dtype=torch.float32)).repeat(b, 1)
-
-
-def _probe(block, s, cost, draft_ms, context_ms=0.0):
-    block.probing = True  # as next_length() leaves it on a probe step
-    block.observe(
-        length=block.full,
-        num_reqs=s.shape[0],
-        draft_ms=draft_ms,
-        survival=s,
-        cost=cost,
-        context_ms=context_ms,
-    )
+# S_j of prose at one request (the 6th and 7th drafts add ~0.08 tokens a round)
+PROSE = [0.6, 0.42, 0.3, 0.2, 0.13, 0.05, 0.03]
+EASY = [0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
 
 
-def test_flat_verification_and_cheap_drafting_keep_the_full_block():
-    block = BlockLength(full=K)
-    _probe(block, _survival(1, 0.9), cost=lambda n: 10.0, draft_ms=1.0)
-    assert block.length == K
+def _kink_round(n: int, b: int) -> float:
+    """One request on the CPU demo: a round costs the same up to L = 5 and
+    0.3 ms more for each of the 6th and 7th slots."""
+    return 8.0 + 0.3 * max(0, n - 5)
 
 
-def test_steep_verification_and_costly_drafting_pick_a_short_block():
-    block = BlockLength(full=K)
-    # 32 requests; verifying costs 0.4 ms a token; the full block costs 16 ms.
-    _probe(block, _survival(32, 0.7), cost=lambda n: 10.0 + 0.4 * n, draft_ms=16.0)
-    assert 1 <= block.length <= 2
-    rates = block.last_rates
-    assert rates[block.length] > rates[K]
+def _block(**kw) -> BlockLength:
+    return BlockLength(full=K, warmup_steps=0, **kw)
 
 
-def test_shortest_block_wins_a_tie():
-    # Nothing past slot 1 is ever accepted: every L >= 1 verifies the same budgets,
-    # and drafting time grows with L, so L = 1.
-    s = torch.zeros(4, K)
-    s[:, 0] = 0.9
-    block = BlockLength(full=K)
-    _probe(block, s, cost=lambda n: 10.0 + 0.1 * n, draft_ms=8.0)
-    assert block.length == 1
+def _run(block, steps, num_reqs, survival, round_ms, *, jitter=0.0, seed=0,
+         speed=lambda step: 1.0):
+    """`steps` drafting steps, each round timed as the next step would:
+    round_ms(L, B) times the machine's `speed(step)`, times 1 +- `jitter`.
+    Returns the lengths run."""
+    rng = random.Random(seed)
+    lengths = []
+    for step in range(steps):
+        n = block.next_length(num_reqs)
+        lengths.append(n)
+        ms = round_ms(n, num_reqs) * speed(step) * (1 + rng.uniform(-jitter, jitter))
+        block.record_round(length=n, num_reqs=num_reqs, round_ms=ms,
+                           survival=survival)
+    return lengths
 
 
-def test_probe_schedule_backs_off_while_the_choice_holds():
-    block = BlockLength(full=K, min_interval=2, max_interval=8, ema=1.0)
-    assert block.next_length() == K  # nothing chosen yet: probe
-    steep = dict(cost=lambda n: 10.0 + 0.4 * n, draft_ms=16.0)
-    _probe(block, _survival(32, 0.7), **steep)
-    short = block.length
-    assert short < K and block.interval == 2
-    assert [block.next_length() for _ in range(3)] == [short, short, K]
-    _probe(block, _survival(32, 0.7), **steep)  # same choice: back off
-    assert block.interval == 4
-    assert [block.next_length() for _ in range(5)] == [short] * 4 + [K]
-    # Verification became flat: the probe picks the full block and resets.
-    _probe(block, _survival(32, 0.7), cost=lambda n: 10.0, draft_ms=1.0)
-    assert block.length == K and block.interval == 2
+def test_position_survival_takes_deltas_of_the_samplers_counts():
+    s = PositionSurvival(3, per_round=1.0)
+    s.update([0, 0, 0], [0, 0, 0])
+    assert s.survival() is None
+    s.update([10, 10, 4], [6, 3, 1])  # 10 rounds verified 2 drafts, 4 verified 3
+    assert s.survival() == pytest.approx([0.6, 0.3, 0.25])
+    s.update([20, 20, 4], [16, 5, 1])  # position 3 not verified again: kept
+    assert s.survival() == pytest.approx([1.0, 0.2, 0.2])  # non-increasing
 
 
-def test_short_blocks_measure_their_own_cost():
-    block = BlockLength(full=K)
-    # Only the full block measured: a line through context-only time at L = 0.
-    block.observe(length=K, num_reqs=10, draft_ms=80.0, survival=None, cost=None)
-    assert block.draft_ms(K, 10, context_ms=10.0) == pytest.approx(80.0)
-    assert block.draft_ms(0, 10, context_ms=10.0) == pytest.approx(10.0)
-    assert block.draft_ms(3, 10, context_ms=10.0) == pytest.approx(10 + 70 * 3 / 7)
-    # A measured short block replaces that anchor (per request, any batch size).
-    block.observe(length=1, num_reqs=20, draft_ms=60.0, survival=None, cost=None)
-    assert block.draft_ms(1, 10, context_ms=10.0) == pytest.approx(30.0)
-    assert block.draft_ms(4, 10, context_ms=10.0) == pytest.approx(30 + 50 * 3 / 6)
-    # Non-probe steps (short blocks) never change the choice.
-    assert block.length == 0 and block.probes == 0
+def test_position_survival_weighs_each_round():
+    """A step of 32 rounds moves the estimate as 32 one-round steps would."""
+    one, many = PositionSurvival(1, 0.01), PositionSurvival(1, 0.01)
+    for s in (one, many):
+        s.update([0], [0])
+        s.update([100], [100])  # S_1 = 1 to start
+    for i in range(1, 33):
+        one.update([100 + i], [100])
+    many.update([132], [100])
+    assert one.survival() == pytest.approx(many.survival())
+    assert one.survival()[0] == pytest.approx(0.99**32)
 
 
-def test_only_probes_choose_even_when_the_choice_is_the_full_block():
-    block = BlockLength(full=K, min_interval=4)
-    assert block.next_length() == K and block.probing
-    _probe(block, _survival(1, 0.9), cost=lambda n: 10.0, draft_ms=1.0)
-    assert block.length == K and block.probes == 1
-    for _ in range(4):  # full-length steps, but not probes
-        assert block.next_length() == K and not block.probing
-        block.observe(
-            length=K,
-            num_reqs=1,
-            draft_ms=1.0,
-            survival=_survival(1, 0.1),
-            cost=lambda n: 10.0 + n,
-        )
-    assert block.probes == 1
-    assert block.next_length() == K and block.probing
+def test_warmup_then_trials_alternate_the_two_lengths():
+    block = BlockLength(full=K, warmup_steps=3, trial_rounds=2)
+    lengths = _run(block, 7, 1, PROSE, _kink_round)
+    assert lengths == [K, K, K, K, K - 1, K, K - 1]
+
+
+def test_the_kink_at_the_sixth_slot_leads_down_to_five_drafts():
+    """Slots 6 and 7 bring 0.08 tokens for 0.6 ms of an 8 ms round: L = 5."""
+    block = _block()
+    _run(block, 1500, 1, PROSE, _kink_round, jitter=0.05)
+    b = block.buckets[1]
+    assert b.length == 5 and b.switches == 2, block.to_dict()
+
+
+def test_easy_text_keeps_the_full_block():
+    block = _block()
+    _run(block, 1500, 1, EASY, _kink_round, jitter=0.05)
+    assert block.buckets[1].length == K
+
+
+def test_flat_round_time_keeps_the_full_block():
+    block = _block()
+    _run(block, 1500, 1, PROSE, lambda n, b: 8.0, jitter=0.05)
+    assert block.buckets[1].length == K
+
+
+def test_steep_rounds_under_load_pick_a_short_block():
+    """32 requests; verification and drafting cost 0.6 ms per slot per request
+    on a 20 ms step: the first two slots pay, the rest do not."""
+    block = _block()
+    _run(block, 3000, 32, PROSE, lambda n, b: 20.0 + 0.6 * b * n, jitter=0.05)
+    assert 1 <= block.buckets[32].length <= 2, block.to_dict()
+
+
+def test_the_machines_speed_swings_do_not_mislead_the_trials():
+    """The machine's speed swings by +-30% over ~100 steps, far more than L
+    moves a round (7%): the trials' turns see the same machine, and L* still
+    comes down to 5."""
+
+    def speed(step: int) -> float:
+        return 1.0 + 0.3 * ((step // 50) % 3 - 1)
+
+    block = _block()
+    _run(block, 2000, 1, PROSE, _kink_round, jitter=0.05, speed=speed)
+    assert block.buckets[1].length == 5
+
+
+def test_trials_back_off_while_the_choice_holds():
+    block = _block(min_interval=4, max_interval=32, trial_rounds=4)
+    lengths = _run(block, 600, 1, PROSE, lambda n, b: 8.0)
+    b = block.buckets[1]
+    assert b.length == K and b.interval == 32
+    off = [i for i, n in enumerate(lengths) if n != K]
+    assert len(off) < 0.15 * len(lengths)
+    assert {lengths[i] for i in off} == {K - 1}  # L* - 1 (L* + 1 does not exist)
+
+
+def test_buckets_choose_apart():
+    block = _block()
+    _run(block, 1500, 1, EASY, _kink_round, jitter=0.05)
+    _run(block, 3000, 32, PROSE, lambda n, b: 20.0 + 0.6 * b * n, jitter=0.05)
+    assert block.buckets[1].length == K and block.buckets[32].length <= 2
+
+
+def test_no_choice_without_survivals():
+    block = _block(trial_rounds=2)
+    _run(block, 200, 1, None, _kink_round)
+    b = block.buckets[1]
+    assert b.length == K and b.trials == 0
+
+
+def test_k_min_bounds_the_shortest_block():
+    block = _block(k_min=3)
+    lengths = _run(block, 3000, 32, PROSE, lambda n, b: 20.0 + 0.6 * b * n,
+                   jitter=0.05)
+    assert min(lengths) >= 3 and block.buckets[32].length == 3
+
+
+def test_rounds_of_another_bucket_or_length_are_not_counted():
+    block = _block(trial_rounds=2)
+    _run(block, 1, 1, PROSE, _kink_round)  # starts a trial K vs K - 1
+    b = block.buckets[1]
+    block.record_round(length=3, num_reqs=1, round_ms=1.0, survival=PROSE)
+    block.record_round(length=K, num_reqs=2, round_ms=1.0, survival=PROSE)
+    assert b.times == {K: [8.6], K - 1: []}

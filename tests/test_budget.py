@@ -16,7 +16,11 @@ from adaflash_vllm.proposers.budget import (
     geometric_survival,
     make_budget_policy,
 )
-from adaflash_vllm.proposers.cost_model import StepCostModel, profile_step_costs
+from adaflash_vllm.proposers.cost_model import (
+    StepCostModel,
+    profile_sizes,
+    profile_step_costs,
+)
 from adaflash_vllm.proposers.length_head import LengthHead, draft_confidence
 
 from adaflash_vllm.config import LengthConfig
@@ -180,6 +184,38 @@ def test_profile_and_online_refresh():
     for _ in range(20):
         model.observe(16, before * 3)
     assert model(16) > 2 * before and model.observations == 20
+
+
+def test_profile_sizes_are_every_count_up_to_the_bound_then_doubling():
+    assert profile_sizes(2048, every_up_to=16) == [*range(1, 17), 32, 64, 128, 256,
+                                                     512, 1024, 2048]
+    assert profile_sizes(10, every_up_to=16) == list(range(1, 11))
+    assert profile_sizes(100, every_up_to=1) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_budgets_see_a_kink_that_a_doubling_profile_misses():
+    """One request; a forward costs the same for 1 to 6 tokens and 0.25 ms more
+    per token from 7 (the CPU demo target's shape). Profiled at every count, the
+    budgets verify the 5 free drafts and leave the two that cost more than they
+    bring; profiled at 1, 2, 4, 8 the curve runs straight from 4 to 8 and the 5th
+    draft looks as dear as the 7th."""
+
+    def true_ms(n: float) -> float:
+        return 4.0 + 0.25 * max(0.0, n - 6)
+
+    s = torch.tensor([[0.7, 0.5, 0.4, 0.3, 0.2, 0.08, 0.05]])
+    quiet = (0.0, 0.0)  # no slow spell
+    m = _ContendedMachine(true_ms, quiet)
+    fine = profile_step_costs(m.run, profile_sizes(8, every_up_to=16), clock=m.clock)
+    m = _ContendedMachine(true_ms, quiet)
+    coarse = profile_step_costs(m.run, profile_sizes(8), clock=m.clock)
+    assert [fine(n) for n in range(1, 9)] == pytest.approx(
+        [true_ms(n) for n in range(1, 9)]
+    )
+    k_fine, _ = allocate_budgets(s, fine, k_min=0, extra_ms=3.0)
+    k_coarse, _ = allocate_budgets(s, coarse, k_min=0, extra_ms=3.0)
+    assert k_fine == [5]
+    assert k_coarse != [5]
 
 
 class _ContendedMachine:

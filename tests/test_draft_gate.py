@@ -11,16 +11,19 @@ from adaflash_vllm.proposers.draft_gate import (
 )
 
 
-def _serve(gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0):
+def _serve(
+    gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0, plain_ms=None
+):
     """Run `steps` steps where a drafting round emits `draft_rate` tokens per ms and
-    a skipped one `skip_rate`; returns the modes chosen."""
+    a skipped one `skip_rate`; returns the modes chosen. `plain_ms`: the cost
+    curve at b tokens, as the proposer passes it (None: no curve)."""
     modes = []
     last = None
     for _ in range(steps):
         if last is not None:
             rate = draft_rate if last else skip_rate
             gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
-        last = gate.should_draft(b)
+        last = gate.should_draft(b, plain_ms=plain_ms)
         if last:
             gate.model_ratio = model_ratio
         modes.append(last)
@@ -557,3 +560,74 @@ def test_a_held_bucket_keeps_drafting_on_a_clear_but_noisy_lead():
     assert four.held and four.drafting
     assert four.rate_noise(True) > 0.04  # a lead of 1.25x plus the noise: not met
     assert modes[60:].count(False) <= 2 * 4  # explorations of skipping only
+
+
+def _low_load_predicted(gate, steps, seed=0, plain_ms=13.0, slow_after=None):
+    """`_low_load` with the step-cost curve given to the gate (`plain_ms`, the
+    cost of a plain step): after `slow_after` steps the machine runs 2x slower,
+    every round and the curve alike. Returns skipped steps."""
+    rng = random.Random(seed)
+    tokens = (1, 1, 1, 2, 2, 3, 3, 4, 5, 7)
+    last, skipped = None, 0
+    for step in range(steps):
+        scale = 2.0 if slow_after is not None and step >= slow_after else 1.0
+        if last is not None:
+            if last:
+                gate.record_round(
+                    drafted=True, tokens=rng.choice(tokens), ms=22.0 * scale
+                )
+            else:
+                gate.record_round(
+                    drafted=False, tokens=1.0, ms=13.0 * scale * rng.uniform(0.9, 1.1)
+                )
+        last = gate.should_draft(1, plain_ms=plain_ms * scale)
+        skipped += not last
+    return skipped
+
+
+def test_predicted_skipping_rate_spares_the_checks_at_low_load():
+    """One request, drafting 1.7x skipping in the mean with noisy rounds: with the
+    step-cost curve, checks of skipping use its predicted rate (one token per
+    plain step) and skip no steps; skipping is explored for real only every
+    `skip_remeasure_steps`, so the gate skips a fraction of the steps the
+    explored checks skipped."""
+    explored = sum(_low_load(DraftGate(), 6000, seed) for seed in range(5))
+    gates = [DraftGate() for _ in range(5)]
+    predicted = sum(
+        _low_load_predicted(g, 6000, seed) for seed, g in enumerate(gates)
+    )
+    assert predicted < 0.5 * explored, (predicted, explored)
+    assert all(g.drafting for g in gates)
+    assert all(g._predicted_skip_rate() is not None for g in gates)
+    assert all(sum(g.predicted_checks.values()) > 0 for g in gates)
+
+
+def test_a_hard_stretch_switches_on_the_prediction_without_a_check():
+    """Drafting turns to 0.6x skipping's rate: the gate switches to skipping at a
+    check on the predicted rate, without spending rounds exploring it."""
+    gate = DraftGate(min_interval=8, max_interval=128, explore_steps=3)
+    _serve(gate, 600, draft_rate=1.8, skip_rate=1.0, b=1, plain_ms=50.0)
+    assert gate.drafting and gate._predicted_skip_rate() == pytest.approx(1.0)
+    modes = _serve(gate, 200, draft_rate=0.6, skip_rate=1.0, b=1, plain_ms=50.0)
+    switched = modes.index(False)  # the first step without a draft
+    assert gate.predicted_switches == 1 and switched < 200  # as explored checks
+    # every step drafted until the switch: no rounds spent exploring skipping
+    assert all(modes[:switched]) and not gate.drafting
+    assert modes[-30:].count(True) <= 8  # checks of drafting
+
+
+def test_the_machines_speed_swings_do_not_switch_the_prediction():
+    """The machine turns 2x slower (rounds and the cost curve alike): the
+    prediction scales with it, and a drafting win stays a drafting win."""
+    gates = [DraftGate() for _ in range(3)]
+    for seed, g in enumerate(gates):
+        _low_load_predicted(g, 6000, seed, slow_after=3000)
+    assert all(g.drafting and g.predicted_switches <= 1 for g in gates), [
+        g.to_dict() for g in gates
+    ]
+
+
+def test_without_a_curve_skipping_is_explored_as_before():
+    gate = DraftGate()
+    _low_load(gate, 3000)
+    assert gate._predicted_skip_rate() is None and gate.predicted_switches == 0

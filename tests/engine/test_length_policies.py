@@ -16,14 +16,9 @@ def policy_llm(request, tiny, tiny_head_drafter):
     spec = tiny.spec(
         k=K,
         model=str(tiny_head_drafter),
-        # cost_aware also chooses the drafter's block length (adaptive_block).
-        adaflash={
-            "length": {
-                "mode": request.param,
-                "k_min": 0,
-                **({"adaptive_block": True} if request.param == "cost_aware" else {}),
-            }
-        },
+        # cost_aware also chooses the drafter's block length (adaptive_block,
+        # on by default).
+        adaflash={"length": {"mode": request.param, "k_min": 0}},
     )
     llm = make_llm(tiny.target, spec)
     result = {
@@ -78,10 +73,14 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         use = budget["budget_use"]
         assert use["chosen_steps"] > 0, use
         assert use["chosen_steps"] + use["full_k_steps"] == gate["drafted_steps"], use
-        # Full-K probes chose a block length from measured drafting times.
-        block = budget["block_length"]
-        assert block["probes"] > 0 and 1 <= block["length"] <= K, block
-        assert str(K) in {str(n) for n in block["ms_per_request"]}, block
+        # Every drafting step took its block length from its batch-size
+        # bucket (adaptive_block is on by default), each within 1..K.
+        buckets = budget["block_length"]["buckets"]
+        assert buckets, budget["block_length"]
+        assert all(1 <= b["length"] <= K for b in buckets.values()), buckets
+        assert sum(b["drafting_steps"] for b in buckets.values()) == gate[
+            "drafted_steps"
+        ], (buckets, gate)
     else:
         assert budget["block_length"] is None
 
