@@ -130,6 +130,7 @@ class _Propose(NamedTuple):
     after_drafted: bool | None = None
     budgets: dict[str, int] | None = None  # drafts each request sent to verify
     length: int = 0  # the block it drafted (0: none)
+    extended: bool = False  # a full block after a fully accepted round
 
 
 class _Opened(NamedTuple):
@@ -141,6 +142,7 @@ class _Opened(NamedTuple):
     batch: frozenset[str]
     last: _Propose | None
     draft: bool
+    full_accept: bool = False  # every request accepted all the last round's drafts
 
 
 class AdaFlashProposer(DFlashProposer):
@@ -166,7 +168,6 @@ class AdaFlashProposer(DFlashProposer):
         self._deferred = _DeferredContext()  # context K/V of skipped steps
         # S_j of verified rounds, for the block length (block_length.py)
         self._position_survival = PositionSurvival(self.num_speculative_tokens)
-        self._rounds_since_counts = 0
         # Measurements only (adaflash_debug_context_upkeep): False queues nothing
         # on skipped steps, so that a benchmark can price the upkeep; the drafter's
         # cache then lacks those tokens (later drafts worse, output unchanged).
@@ -328,8 +329,16 @@ class AdaFlashProposer(DFlashProposer):
         batch = frozenset(req_ids)
         last, self._last_propose = self._last_propose, None
         accepted = self._observe_step_cost(last, batch, started, num_tokens)
+        full_accept = False
         if self.block_length is not None:
             self._record_block_round(last, batch, started)
+            verified = sum(last.budgets.values()) if last and last.budgets else 0
+            full_accept = (
+                last is not None
+                and last.drafted
+                and batch == last.batch
+                and accepted >= verified > 0
+            )
         gate, draft = self.draft_gate, True
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
@@ -339,7 +348,7 @@ class AdaFlashProposer(DFlashProposer):
             )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
-        return _Opened(started, req_ids, batch, last, draft)
+        return _Opened(started, req_ids, batch, last, draft, full_accept)
 
     def propose_early(
         self,
@@ -409,7 +418,11 @@ class AdaFlashProposer(DFlashProposer):
         block = self.block_length
         if block is not None and block.full != full:
             block = None
-        length = block.next_length(num_reqs) if block is not None else full
+        length = (
+            block.next_length(num_reqs, after_full_accept=opened.full_accept)
+            if block is not None
+            else full
+        )
         use = getattr(self.budget_policy, "use", None)
         self._choosing = use is None or use.active(num_reqs)
         if not self._choosing:
@@ -434,7 +447,13 @@ class AdaFlashProposer(DFlashProposer):
             # of the block is verified (a short block's padding still is not).
             self._budgets = dict.fromkeys(req_ids, num_drafts)
             self._remember_propose(
-                started, self._synced_clock(), batch, True, last, num_drafts
+                started,
+                self._synced_clock(),
+                batch,
+                True,
+                last,
+                num_drafts,
+                opened.full_accept,
             )
         elif self.budget_policy is not None:
             chose_at = self._synced_clock()
@@ -463,7 +482,9 @@ class AdaFlashProposer(DFlashProposer):
                     draft_ms=1e3 * (now - started),
                     plain_verify_ms=choice["plain_verify_ms"],
                 )
-            self._remember_propose(started, now, batch, True, last, num_drafts)
+            self._remember_propose(
+                started, now, batch, True, last, num_drafts, opened.full_accept
+            )
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
                 draft_token_ids, (0, full - num_drafts)
@@ -517,11 +538,12 @@ class AdaFlashProposer(DFlashProposer):
         drafted: bool,
         last: _Propose | None,
         length: int = 0,
+        extended: bool = False,
     ) -> None:
         """Keep this propose (with the budgets it chose) for the next step."""
         after = None if last is None else last.drafted
         self._last_propose = _Propose(
-            started, now, batch, drafted, after, self._budgets, length
+            started, now, batch, drafted, after, self._budgets, length, extended
         )
 
     def _write_deferred_context(self, gate, started: float) -> float:
@@ -632,12 +654,13 @@ class AdaFlashProposer(DFlashProposer):
         if last is None or not last.drafted:
             return
         sampler = getattr(self._runner, "rejection_sampler", None)
-        self._rounds_since_counts += 1
-        if hasattr(sampler, "stats") and self._rounds_since_counts >= 4:
-            # every 4th drafting round: the counts are cumulative
-            self._rounds_since_counts = 0
+        if hasattr(sampler, "stats"):
             counts = sampler.stats()
-            self._position_survival.update(counts["drafted"], counts["accepted"])
+            # a full block after a fully accepted round is not weighed in the S_j
+            take = self._position_survival.skip if last.extended else (
+                self._position_survival.update
+            )
+            take(counts["drafted"], counts["accepted"])
         if batch == last.batch and last.after_drafted is not False:
             self.block_length.record_round(
                 length=last.length,

@@ -150,3 +150,25 @@ def test_rounds_of_another_bucket_or_length_are_not_counted():
     block.record_round(length=3, num_reqs=1, round_ms=1.0, survival=PROSE)
     block.record_round(length=K, num_reqs=2, round_ms=1.0, survival=PROSE)
     assert b.times == {K: [8.6], K - 1: []}
+
+
+def test_a_fully_accepted_round_is_followed_by_the_full_block():
+    """After a round that accepted every draft the step drafts K whatever L* is
+    (acceptance runs in stretches) and takes no turn in a running trial."""
+    block = _block(trial_rounds=2)
+    _run(block, 1500, 1, PROSE, _kink_round, jitter=0.05)
+    b = block.buckets[1]
+    assert b.length == 5
+    before = (b.other, b.turn)
+    assert block.next_length(1, after_full_accept=True) == K
+    assert (b.other, b.turn) == before and b.extended == 1
+    assert block.next_length(1) in (5, 4, 6, K)
+
+
+def test_position_survival_can_pass_over_rounds():
+    s = PositionSurvival(2, per_round=1.0)
+    s.update([0, 0], [0, 0])
+    s.update([10, 10], [5, 1])
+    s.skip([20, 20], [20, 20])  # ten fully accepted rounds: not weighed
+    s.update([30, 30], [25, 21])
+    assert s.survival() == pytest.approx([0.5, 0.1])
