@@ -246,8 +246,8 @@ class ScriptedBlockLength:
         self.step = 0
         self.used: dict[int, int] = {}
 
-    def next_length(self, num_reqs: int = 1) -> int:
-        length = 1 + self.step % self.full
+    def next_length(self, num_reqs: int = 1, after_full_accept: bool = False) -> int:
+        length = 1 + self.step % self.full  # every length, whatever came before
         self.step += 1
         self.used[length] = self.used.get(length, 0) + 1
         return length

@@ -172,3 +172,12 @@ def test_position_survival_can_pass_over_rounds():
     s.skip([20, 20], [20, 20])  # ten fully accepted rounds: not weighed
     s.update([30, 30], [25, 21])
     assert s.survival() == pytest.approx([0.5, 0.1])
+
+
+def test_scripted_lengths_take_the_proposers_arguments():
+    from adaflash_vllm.proposers.block_length import ScriptedBlockLength
+
+    block = ScriptedBlockLength(3)
+    got = [block.next_length(2, after_full_accept=True) for _ in range(4)]
+    assert got == [1, 2, 3, 1]
+    block.record_round(length=1, num_reqs=2, round_ms=1.0, survival=None)

@@ -1,0 +1,127 @@
+"""Does acceptance run in stretches? Greedy verification rounds along served
+chains of the demo drafter, offline: per-position survival after a round that
+accepted a given number of drafts, and what the previous round's accepted count
+alone predicts of the next (MAE of the median forecast, as
+docs/BENCHMARKS.md scores the length head).
+
+The target answers the prompts (vLLM, greedy); the training-side drafter (exact
+vLLM parity, tests/engine/test_parity.py) drafts from every position; the rounds
+are walked as greedy verification makes them, from the first generated token:
+a round at position p accepts a(p) drafts, and the next starts at p + a(p) + 1.
+
+Run (about 2 minutes on 2 cores):
+    python examples/acceptance_runs.py --skip 100 --num-prompts 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parent / "demo"
+
+# groups of the previous round's accepted count (K = 7)
+_GROUPS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-6", 5, 6), ("7", 7, 7))
+
+
+def chain_pairs(by_anchor: dict[int, int], start: int, end: int, k: int):
+    """(previous round's accepted, this round's accepted) along one chain."""
+    pairs, p, prev = [], start, None
+    while p < end - k:  # rounds whose block fits before the sequence's end
+        a = by_anchor.get(p, 0)
+        if prev is not None:
+            pairs.append((prev, a))
+        prev, p = a, p + a + 1
+    return pairs
+
+
+def median_length(xs: list[int], k: int) -> int:
+    """The largest m with P(A >= m) >= 1/2."""
+    return max(m for m in range(k + 1) if 2 * sum(x >= m for x in xs) >= len(xs))
+
+
+def report(pairs: list[tuple[int, int]], k: int) -> dict:
+    out = {"rounds": len(pairs), "survival_after": {}}
+    groups = {}
+    for name, lo, hi in (("any", 0, k), *_GROUPS):
+        xs = [a for pa, a in pairs if lo <= pa <= hi]
+        if name != "any":
+            groups[name] = xs
+        out["survival_after"][name] = {
+            "rounds": len(xs),
+            "S": [round(sum(a >= j for a in xs) / max(1, len(xs)), 3)
+                  for j in range(1, k + 1)],
+        }
+    allx = [a for _, a in pairs]
+    m = median_length(allx, k)
+    out["mae_constant_median"] = sum(abs(a - m) for a in allx) / len(allx) / k
+    out["mae_previous_round_median"] = sum(
+        abs(a - median_length(xs, k)) for xs in groups.values() if xs for a in xs
+    ) / len(allx) / k
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", default=str(DEMO / "data" / "prompts_prose.jsonl"))
+    p.add_argument("--skip", type=int, default=100, help="prompts left out first")
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args()
+
+    import torch
+
+    from adaflash_vllm.training.blocks import (
+        accepted_lengths,
+        block_labels,
+        make_batch,
+        student_logits,
+    )
+    from adaflash_vllm.training.data import load_prompts
+    from adaflash_vllm.training.features import TargetModel
+    from adaflash_vllm.training.offline import load_or_init_drafter
+    from adaflash_vllm.training.train_drafter import regenerate_sequences
+
+    recs = load_prompts(args.prompts)[args.skip : args.skip + args.num_prompts]
+    seqs = regenerate_sequences(
+        DEMO / "target", recs, max_tokens=args.max_tokens, temperature=0.0, seed=0
+    )
+    target = TargetModel(str(DEMO / "target"))
+    drafter = load_or_init_drafter(str(DEMO / "drafter"), None)
+    drafter.eval()
+    k = drafter.block_size - 1
+    pairs = []
+    with torch.no_grad():
+        for i in range(0, len(seqs), 4):
+            chunk = [
+                s for s in seqs[i : i + 4] if len(s.token_ids) - s.prompt_len >= 2
+            ]
+            if not chunk:
+                continue
+            batch = make_batch(chunk, num_anchors=None)
+            feats, _ = target.features(
+                batch.input_ids, drafter.target_layer_ids, batch.valid.long(),
+                with_logits=False,
+            )
+            logits, _ = student_logits(drafter, target, batch, feats, k)
+            labels, valid, _ = block_labels(batch, k)
+            acc = accepted_lengths(logits.argmax(-1), labels, valid)
+            for j, s in enumerate(chunk):
+                by_anchor = dict(
+                    zip(batch.anchors[j].tolist(), acc[j].tolist(), strict=True)
+                )
+                pairs += chain_pairs(
+                    by_anchor, s.prompt_len, len(s.token_ids) - 1, k
+                )
+    result = report(pairs, k)
+    result["command"] = vars(args)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
