@@ -50,15 +50,19 @@ def report(pairs: list[tuple[int, int]], k: int) -> dict:
             groups[name] = xs
         out["survival_after"][name] = {
             "rounds": len(xs),
-            "S": [round(sum(a >= j for a in xs) / max(1, len(xs)), 3)
-                  for j in range(1, k + 1)],
+            "S": [
+                round(sum(a >= j for a in xs) / max(1, len(xs)), 3)
+                for j in range(1, k + 1)
+            ],
         }
     allx = [a for _, a in pairs]
     m = median_length(allx, k)
     out["mae_constant_median"] = sum(abs(a - m) for a in allx) / len(allx) / k
-    out["mae_previous_round_median"] = sum(
-        abs(a - median_length(xs, k)) for xs in groups.values() if xs for a in xs
-    ) / len(allx) / k
+    out["mae_previous_round_median"] = (
+        sum(abs(a - median_length(xs, k)) for xs in groups.values() if xs for a in xs)
+        / len(allx)
+        / k
+    )
     return out
 
 
@@ -72,7 +76,6 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-
     from adaflash_vllm.training.blocks import (
         accepted_lengths,
         block_labels,
@@ -95,14 +98,14 @@ def main() -> None:
     pairs = []
     with torch.no_grad():
         for i in range(0, len(seqs), 4):
-            chunk = [
-                s for s in seqs[i : i + 4] if len(s.token_ids) - s.prompt_len >= 2
-            ]
+            chunk = [s for s in seqs[i : i + 4] if len(s.token_ids) - s.prompt_len >= 2]
             if not chunk:
                 continue
             batch = make_batch(chunk, num_anchors=None)
             feats, _ = target.features(
-                batch.input_ids, drafter.target_layer_ids, batch.valid.long(),
+                batch.input_ids,
+                drafter.target_layer_ids,
+                batch.valid.long(),
                 with_logits=False,
             )
             logits, _ = student_logits(drafter, target, batch, feats, k)
@@ -112,9 +115,7 @@ def main() -> None:
                 by_anchor = dict(
                     zip(batch.anchors[j].tolist(), acc[j].tolist(), strict=True)
                 )
-                pairs += chain_pairs(
-                    by_anchor, s.prompt_len, len(s.token_ids) - 1, k
-                )
+                pairs += chain_pairs(by_anchor, s.prompt_len, len(s.token_ids) - 1, k)
     result = report(pairs, k)
     result["command"] = vars(args)
     text = json.dumps(result, indent=1)

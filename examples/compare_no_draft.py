@@ -92,9 +92,7 @@ def _adaflash_k(variant: str) -> int | None:
 
 def _adaflash_variant_ok(variant: str) -> bool:
     parts = _variant_parts(variant)
-    return bool(parts) and all(
-        p in _ADAFLASH_VARIANTS or _adaflash_k(p) for p in parts
-    )
+    return bool(parts) and all(p in _ADAFLASH_VARIANTS or _adaflash_k(p) for p in parts)
 
 
 def parse_configs(text: str, no_draft_variants=frozenset()) -> list[str]:

@@ -31,7 +31,10 @@ one request the recent rate dips that far every few rounds: those dips started
 half the checks of skipping). While drafting's long-run rate beats skipping's by
 `decisive_margin`, checks of skipping back off to `decisive_max_interval` rather
 than `max_interval`; a real shift still starts one at once.
-Exploring skips costs a few slow rounds, so it is only done when the cost model's
+With a step-cost curve, a check of skipping while drafting spends no rounds at
+all: skipping's rate is predicted from its last measured one (see
+`skip_remeasure_steps`). Exploring skips costs a few slow rounds, so it is only
+done when the cost model's
 own estimate (expected tokens per ms from the budgets and the step-cost curve) does
 not already favour drafting by `sure_margin`, nor drafting's measured long-run rate
 (below) skipping's last measured one by as much, and a switch to drafting needs that

@@ -332,12 +332,15 @@ class AdaFlashProposer(DFlashProposer):
         full_accept = False
         if self.block_length is not None:
             self._record_block_round(last, batch, started)
+            # every request verified the whole block and accepted all of it (a
+            # budget trimmed to one accepted draft says little of the text)
             verified = sum(last.budgets.values()) if last and last.budgets else 0
             full_accept = (
                 last is not None
                 and last.drafted
                 and batch == last.batch
-                and accepted >= verified > 0
+                and verified == len(last.batch) * last.length > 0
+                and accepted >= verified
             )
         gate, draft = self.draft_gate, True
         if gate is not None:
@@ -657,8 +660,10 @@ class AdaFlashProposer(DFlashProposer):
         if hasattr(sampler, "stats"):
             counts = sampler.stats()
             # a full block after a fully accepted round is not weighed in the S_j
-            take = self._position_survival.skip if last.extended else (
-                self._position_survival.update
+            take = (
+                self._position_survival.skip
+                if last.extended
+                else (self._position_survival.update)
             )
             take(counts["drafted"], counts["accepted"])
         if batch == last.batch and last.after_drafted is not False:

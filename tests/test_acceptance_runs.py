@@ -16,7 +16,11 @@ def test_chain_walks_rounds_as_greedy_verification_does():
     by_anchor = {10: 3, 14: 0, 15: 2, 18: 1}
     # rounds at 10, 14, 15, 18, then 20..26 (each block must fit before 30)
     assert runs.chain_pairs(by_anchor, start=10, end=30, k=3) == [
-        (3, 0), (0, 2), (2, 1), (1, 0), *[(0, 0)] * 6
+        (3, 0),
+        (0, 2),
+        (2, 1),
+        (1, 0),
+        *[(0, 0)] * 6,
     ]
 
 

@@ -26,8 +26,17 @@ def _block(**kw) -> BlockLength:
     return BlockLength(full=K, warmup_steps=0, **kw)
 
 
-def _run(block, steps, num_reqs, survival, round_ms, *, jitter=0.0, seed=0,
-         speed=lambda step: 1.0):
+def _run(
+    block,
+    steps,
+    num_reqs,
+    survival,
+    round_ms,
+    *,
+    jitter=0.0,
+    seed=0,
+    speed=lambda step: 1.0,
+):
     """`steps` drafting steps, each round timed as the next step would:
     round_ms(L, B) times the machine's `speed(step)`, times 1 +- `jitter`.
     Returns the lengths run."""
@@ -37,8 +46,7 @@ def _run(block, steps, num_reqs, survival, round_ms, *, jitter=0.0, seed=0,
         n = block.next_length(num_reqs)
         lengths.append(n)
         ms = round_ms(n, num_reqs) * speed(step) * (1 + rng.uniform(-jitter, jitter))
-        block.record_round(length=n, num_reqs=num_reqs, round_ms=ms,
-                           survival=survival)
+        block.record_round(length=n, num_reqs=num_reqs, round_ms=ms, survival=survival)
     return lengths
 
 
@@ -138,8 +146,7 @@ def test_no_choice_without_survivals():
 
 def test_k_min_bounds_the_shortest_block():
     block = _block(k_min=3)
-    lengths = _run(block, 3000, 32, PROSE, lambda n, b: 20.0 + 0.6 * b * n,
-                   jitter=0.05)
+    lengths = _run(block, 3000, 32, PROSE, lambda n, b: 20.0 + 0.6 * b * n, jitter=0.05)
     assert min(lengths) >= 3 and block.buckets[32].length == 3
 
 

@@ -187,8 +187,16 @@ def test_profile_and_online_refresh():
 
 
 def test_profile_sizes_are_every_count_up_to_the_bound_then_doubling():
-    assert profile_sizes(2048, every_up_to=16) == [*range(1, 17), 32, 64, 128, 256,
-                                                     512, 1024, 2048]
+    assert profile_sizes(2048, every_up_to=16) == [
+        *range(1, 17),
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+        2048,
+    ]
     assert profile_sizes(10, every_up_to=16) == list(range(1, 11))
     assert profile_sizes(100, every_up_to=1) == [1, 2, 4, 8, 16, 32, 64, 100]
 

@@ -11,9 +11,7 @@ from adaflash_vllm.proposers.draft_gate import (
 )
 
 
-def _serve(
-    gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0, plain_ms=None
-):
+def _serve(gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0, plain_ms=None):
     """Run `steps` steps where a drafting round emits `draft_rate` tokens per ms and
     a skipped one `skip_rate`; returns the modes chosen. `plain_ms`: the cost
     curve at b tokens, as the proposer passes it (None: no curve)."""
@@ -593,9 +591,7 @@ def test_predicted_skipping_rate_spares_the_checks_at_low_load():
     explored checks skipped."""
     explored = sum(_low_load(DraftGate(), 6000, seed) for seed in range(5))
     gates = [DraftGate() for _ in range(5)]
-    predicted = sum(
-        _low_load_predicted(g, 6000, seed) for seed, g in enumerate(gates)
-    )
+    predicted = sum(_low_load_predicted(g, 6000, seed) for seed, g in enumerate(gates))
     assert predicted < 0.5 * explored, (predicted, explored)
     assert all(g.drafting for g in gates)
     assert all(g._predicted_skip_rate() is not None for g in gates)

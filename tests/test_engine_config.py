@@ -160,8 +160,9 @@ def test_stats_file_lives_in_memory_and_the_run_folder_on_disk(tiny):
         assert not runtime["run_dir"].startswith(MEMORY_DIR)
 
 
-def test_publisher_writes_whole_snapshots_and_survives_a_removed_folder(tmp_path,
-                                                                        caplog):
+def test_publisher_writes_whole_snapshots_and_survives_a_removed_folder(
+    tmp_path, caplog
+):
     from adaflash_vllm.metrics import RoundStats, StatsPublisher, read_snapshot
 
     path = tmp_path / "run" / "stats.json"

@@ -78,9 +78,9 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         buckets = budget["block_length"]["buckets"]
         assert buckets, budget["block_length"]
         assert all(1 <= b["length"] <= K for b in buckets.values()), buckets
-        assert sum(b["drafting_steps"] for b in buckets.values()) == gate[
-            "drafted_steps"
-        ], (buckets, gate)
+        assert (
+            sum(b["drafting_steps"] for b in buckets.values()) == gate["drafted_steps"]
+        ), (buckets, gate)
     else:
         assert budget["block_length"] is None
 
