@@ -101,6 +101,10 @@ class AdaFlashWorkerExtension:
             "length_head_kind": getattr(
                 getattr(drafter.model, "length_head", None), "kind", None
             ),
+            "length_head_history": bool(
+                getattr(getattr(drafter.model, "length_head", None), "history", False)
+            ),
+            "history_steps": getattr(drafter, "history_steps", 0),
             "survival": type(getattr(policy, "survival", None)).__name__,
             "budget_use": policy.use.to_dict() if hasattr(policy, "use") else None,
             "draft_gate": gate.to_dict() if gate is not None else None,
@@ -131,6 +135,17 @@ class AdaFlashWorkerExtension:
         drafter, which prices that upkeep. The drafter's cache then misses those
         tokens: drafts after it are worse, the output is unchanged (lossless)."""
         self.model_runner.drafter.context_upkeep = bool(enable)
+
+    def adaflash_debug_head_history(self, enable: bool) -> bool:
+        """Experiments (examples/compare_no_draft.py `adaflash:nohist`): with
+        False, a length head with history reads no previous round (u = 0 for
+        every block). Returns whether it reads them now."""
+        policy = self.model_runner.drafter.budget_policy
+        survival = getattr(policy, "survival", None)
+        if policy is None or not getattr(survival, "needs_history", False):
+            raise ValueError("no length head with history serves the budgets")
+        policy.needs_history = bool(enable)
+        return policy.needs_history
 
     def adaflash_debug_gate(self, settings: dict[str, float]) -> dict[str, Any]:
         """Experiments: set draft-gate parameters (`DraftGate` fields such as

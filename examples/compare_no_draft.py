@@ -13,7 +13,11 @@ without it every batch starts and ends together.
 `--configs` adds others to compare against plain: `dflash` (stock vLLM DFlash,
 K = 7; `dflash:K` for another K), `adaflash` (AdaFlash `cost_aware` as served
 by the demo, gate on), `adaflash:adaptive_block` (the same with
-`length.adaptive_block: true`), `adaflash:noskip` (`skip_drafting: false`),
+`length.adaptive_block: true`, the default since run 23), `adaflash:fullblock`
+(`adaptive_block: false`: the drafter's full block always), `adaflash:explored`
+(the gate's checks of skipping explore it, as before run 23), `adaflash:nohist`
+(a length head with history never reads the previous round), `adaflash:noskip`
+(`skip_drafting: false`),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
 `adaflash:kN` (the same with `num_speculative_tokens` N instead of 7: its
 drafter's length head, trained for 7, is then left out; variants combine with
@@ -46,6 +50,9 @@ _ADAFLASH_VARIANTS = {
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)
     "dipchecks": {},  # the gate before run 22 (_GATE_SETTINGS)
+    "fullblock": {"adaptive_block": False},  # the drafter's full block always
+    "explored": {},  # checks of skipping explore it (before run 23)
+    "nohist": {},  # the length head never reads the previous round
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
@@ -53,6 +60,8 @@ _GATE_SETTINGS = {
     # checks of skipping at most 128 steps apart, and one at once on any dip of
     # drafting's recent rate, however far ahead its long-run rate is
     "dipchecks": {"decisive_max_interval": 128, "shift_slow_margin": float("inf")},
+    # skipping's rate never predicted: every check of it skips steps
+    "explored": {"skip_remeasure_steps": 0},
 }
 
 
@@ -111,14 +120,13 @@ def parse_configs(text: str, no_draft_variants=frozenset()) -> list[str]:
     return configs
 
 
-def demo_prompts(tokenizer) -> list[str]:
-    """The demo's prose prompts, in the target's chat template."""
+def demo_prompts(tokenizer, domain: str = "prose") -> list[str]:
+    """The demo's prompts of `domain` (prose, math or code), in the target's chat
+    template."""
     from adaflash_vllm.training.data import chat_prompts, load_prompts
 
-    return chat_prompts(
-        tokenizer,
-        [r["prompt"] for r in load_prompts(DEMO / "data" / "prompts_prose.jsonl")],
-    )
+    path = DEMO / "data" / f"prompts_{domain}.jsonl"
+    return chat_prompts(tokenizer, [r["prompt"] for r in load_prompts(path)])
 
 
 def _engine(config: str, concurrency: int, log_stats: bool = False):
@@ -134,6 +142,8 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
         settings.update(_GATE_SETTINGS.get(part, {}))
     if config.startswith("adaflash:") and settings:
         llm.collective_rpc("adaflash_debug_gate", args=(settings,))
+    if "nohist" in _variant_parts(config.partition(":")[2]):
+        llm.collective_rpc("adaflash_debug_head_history", args=(False,))
     return llm
 
 

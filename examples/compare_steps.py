@@ -7,10 +7,13 @@ ratios swing by 5-15% per round. Here every engine runs in this process
 (in-process engine core, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and they take single
 steps in turn (the order reversing every step), each keeping `--concurrency`
 requests in flight: a finished request is replaced by the next one of the same
-seeded stream (prose prompts, output lengths drawn from [max_tokens / 3,
-5 max_tokens / 3], greedy, ignore_eos). AdaFlash's clocks (its draft gate's round
-rates and the online cost curve) leave out the time an engine sat idle while the
-others stepped (the `adaflash_exclude_gap` RPC).
+seeded stream (prose prompts unless `--domain`, output lengths drawn from
+[max_tokens / 3, 5 max_tokens / 3], greedy, ignore_eos). AdaFlash's clocks (its
+draft gate's round rates and the online cost curve) leave out the time an engine
+sat idle while the others stepped (the `adaflash_exclude_gap` RPC).
+
+`--domain math` or `code` takes the requests from the demo's math or code
+prompts instead of prose (domains the demo drafter was not trained on).
 
 Run (about 5 minutes on 2 cores for 1,500 steps of three engines at 32):
     taskset -c 0 python examples/compare_steps.py --concurrency 32 --steps 1500 \
@@ -92,6 +95,12 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=100, help="left out")
     p.add_argument("--block", type=int, default=50, help="steps per ratio sample")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--domain",
+        choices=("prose", "math", "code"),
+        default="prose",
+        help="the demo prompt set the requests come from",
+    )
     p.add_argument("--configs", default="no_draft")
     p.add_argument("--out", help="also write the JSON summary here")
     p.add_argument(
@@ -130,7 +139,7 @@ def main() -> None:
     first = sorted(configs, key=lambda c: not c.startswith(("adaflash", "no_draft")))
     built = {c: _build(c, args.concurrency) for c in first}
     engines = {c: built[c] for c in configs}
-    prompts = demo_prompts(engines["plain"].get_tokenizer())
+    prompts = demo_prompts(engines["plain"].get_tokenizer(), args.domain)
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[:8], warm, use_tqdm=False)
@@ -158,7 +167,11 @@ def main() -> None:
             s.profile.dump_stats(os.path.join(args.profile, f"{name}.pstats"))
 
     skip = args.warmup_steps
-    summary: dict = {"concurrency": args.concurrency, "steps": args.steps}
+    summary: dict = {
+        "concurrency": args.concurrency,
+        "steps": args.steps,
+        "domain": args.domain,
+    }
     nan = float("nan")
     for name, s in streams.items():
         steps = s.steps[skip:]

@@ -55,6 +55,7 @@ from adaflash_vllm.config import LengthConfig
 
 class BudgetPolicy(Protocol):
     needs_confidence: bool  # choose() reads `confidence`
+    needs_history: bool  # choose() reads `history`
 
     def choose(
         self,
@@ -64,16 +65,24 @@ class BudgetPolicy(Protocol):
         hidden_states: torch.Tensor | None,  # [B, K, H] drafter outputs at the masks
         confidence: torch.Tensor | None = None,  # [B, K, 3] draft_confidence
         draft_ms: float = 0.0,  # this round's drafting time so far (already paid)
+        history: torch.Tensor | None = None,  # [B, 3] length_head.round_history
     ) -> list[int] | None: ...
 
 
 class FixedBudget:
     """Every request verifies all K drafts: stock DFlash."""
 
-    needs_confidence = False
+    needs_confidence = needs_history = False
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
+        self,
+        *,
+        req_ids,
+        num_drafts,
+        hidden_states,
+        confidence=None,
+        draft_ms=0.0,
+        history=None,
     ) -> list[int] | None:
         return None
 
@@ -81,13 +90,20 @@ class FixedBudget:
 class DebugRaggedBudget:
     """k_i = crc32(req_id, round) mod (K + 1): ragged, deterministic, includes 0."""
 
-    needs_confidence = False
+    needs_confidence = needs_history = False
 
     def __init__(self) -> None:
         self._round: dict[str, int] = {}
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
+        self,
+        *,
+        req_ids,
+        num_drafts,
+        hidden_states,
+        confidence=None,
+        draft_ms=0.0,
+        history=None,
     ):
         live = set(req_ids)
         self._round = {r: n for r, n in self._round.items() if r in live}
@@ -130,11 +146,13 @@ def geometric_survival(a_hat: torch.Tensor, k: int) -> torch.Tensor:
 
 class HeadSurvival:
     """Survival from the length head: its own curve (survival kind), or geometric
-    from its predicted acceptance ratio (ratio kind)."""
+    from its predicted acceptance ratio (ratio kind). A head with history reads
+    each request's previous round (`length_head.round_history`; None: none)."""
 
     def __init__(self, head: torch.nn.Module):
         self.head = head
         self.needs_confidence = bool(getattr(head, "needs_confidence", False))
+        self.needs_history = bool(getattr(head, "history", False))
 
     def fits(self, num_drafts: int) -> bool:
         """A survival head reads exactly the K slots it was trained for; a ratio
@@ -143,18 +161,24 @@ class HeadSurvival:
 
     @torch.no_grad()
     def __call__(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.needs_confidence:
-            return self.head.survival(hidden, confidence)
+            return self.head.survival(hidden, confidence, history)
         return geometric_survival(self.ratio(hidden), hidden.shape[1])
 
     @torch.no_grad()
     def ratio(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """a_hat [B]: the head's predicted accepted fraction of the K drafts."""
-        return self.head.ratio(hidden, confidence)
+        return self.head.ratio(hidden, confidence, history)
 
 
 class ConfidenceSurvival:
@@ -162,18 +186,19 @@ class ConfidenceSurvival:
     (confidence features of the drafts' logits; feature 0 is log p_top1)."""
 
     needs_confidence = True
+    needs_history = False
 
     def fits(self, num_drafts: int) -> bool:
         return True
 
     @torch.no_grad()
     def __call__(
-        self, hidden: torch.Tensor | None, confidence: torch.Tensor
+        self, hidden: torch.Tensor | None, confidence: torch.Tensor, history=None
     ) -> torch.Tensor:
         return confidence[..., 0].float().exp().cumprod(-1)
 
     def ratio(
-        self, hidden: torch.Tensor | None, confidence: torch.Tensor
+        self, hidden: torch.Tensor | None, confidence: torch.Tensor, history=None
     ) -> torch.Tensor:
         return self(hidden, confidence).mean(-1)
 
@@ -193,12 +218,20 @@ class PaperBudget:
     ):
         self.survival, self.gamma, self.k_min = survival, gamma, k_min
         self.needs_confidence = bool(getattr(survival, "needs_confidence", False))
+        self.needs_history = bool(getattr(survival, "needs_history", False))
         self.last_expected: torch.Tensor | None = None  # [B] E[accepted] chosen
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
+        self,
+        *,
+        req_ids,
+        num_drafts,
+        hidden_states,
+        confidence=None,
+        draft_ms=0.0,
+        history=None,
     ) -> list[int]:
-        a_hat = self.survival.ratio(hidden_states, confidence).float()
+        a_hat = self.survival.ratio(hidden_states, confidence, history).float()
         k = (a_hat * num_drafts * self.gamma).round().clamp(self.k_min, num_drafts)
         self.last_expected = a_hat * num_drafts
         return k.long().tolist()
@@ -315,6 +348,7 @@ class CostAwareBudget:
     ):
         self.survival, self.cost, self.k_min = survival, cost, k_min
         self.needs_confidence = bool(getattr(survival, "needs_confidence", False))
+        self.needs_history = bool(getattr(survival, "needs_history", False))
         self.fallback = fallback
         self.last_choice: dict | None = None
         self.last_survival: torch.Tensor | None = None  # [B, K] of the last choice
@@ -326,7 +360,14 @@ class CostAwareBudget:
         self.short_survival = ConfidenceSurvival()
 
     def choose(
-        self, *, req_ids, num_drafts, hidden_states, confidence=None, draft_ms=0.0
+        self,
+        *,
+        req_ids,
+        num_drafts,
+        hidden_states,
+        confidence=None,
+        draft_ms=0.0,
+        history=None,
     ) -> list[int]:
         cost = self.cost()
         self.last_predicted = None
@@ -336,11 +377,12 @@ class CostAwareBudget:
                 num_drafts=num_drafts,
                 hidden_states=hidden_states,
                 confidence=confidence,
+                history=history,
             )
         survival = self.survival
         if not getattr(survival, "fits", lambda k: True)(num_drafts):
             survival = self.short_survival
-        s = survival(hidden_states, confidence).float().cpu()  # [B, K]
+        s = survival(hidden_states, confidence, history).float().cpu()  # [B, K]
         self.last_survival = s
         k_i = self.allocate(s, cost, draft_ms)
         # allocate's expected tokens are B + the chosen slots' survivals.

@@ -13,6 +13,13 @@ Two kinds, named by the drafter's `dflash_config.length_head_kind`:
 
 where p_k is the drafter's top-1 probability at slot k, margin_k the gap between
 its two largest logits and entropy_k that of its distribution (`draft_confidence`).
+A head with `dflash_config.length_head_history: true` also reads the request's
+previous round, x = [... ; u, u a'/K, u [a' = k']]: u = 1 when that round verified
+k' >= 1 drafts (0 on a request's first round, after a step without a draft, and
+on blocks trained without one), of which it accepted a'. Acceptance runs in
+stretches (a fully accepted round is followed by long ones, a rejected first
+draft by short ones), which the block alone does not show; a' = k' < K says the
+round was cut short by its budget, so a' is a lower bound.
 Trained by the exact likelihood of the realised accepted length (training/head.py),
 so the survival curve itself is calibrated, not only its mean; the budgets read it
 directly.
@@ -47,8 +54,10 @@ from torch import nn
 
 CONFIG_KEY = "thresh_head_bottleneck_dim"
 KIND_KEY = "length_head_kind"
+HISTORY_KEY = "length_head_history"
 KINDS = ("survival", "ratio")
 CONFIDENCE_FEATURES = 3
+HISTORY_FEATURES = 3  # u, u a'/K, u [a' = k'] (module docstring)
 _MARGIN_CAP = 30.0  # logits gaps past this say nothing more; keeps inputs bounded
 _LOGP_FLOOR = -30.0
 HIDDEN_DROPOUT = 0.5
@@ -90,13 +99,15 @@ def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
 
 class LengthHead(nn.Module):
     """Acceptance of a drafted block from drafter hidden states [B, K, H] and, for
-    the `survival` kind, confidence features [B, K, 3] (`draft_confidence`).
+    the `survival` kind, confidence features [B, K, 3] (`draft_confidence`) and,
+    with `history`, the previous round's features [B, 3] (`round_history`).
 
     Args:
         hidden_size: the drafter's hidden size H.
         bottleneck: D.
         num_drafts: K; required for (and only used by) the `survival` kind.
         kind: "survival" or "ratio" (module docstring).
+        history: read the request's previous round (survival kind only).
 
     Example:
         >>> head = LengthHead(256, 64, num_drafts=7)
@@ -110,15 +121,20 @@ class LengthHead(nn.Module):
         *,
         num_drafts: int | None = None,
         kind: str = "survival",
+        history: bool = False,
     ):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"length head kind {kind!r}; valid: {', '.join(KINDS)}")
         if kind == "survival" and not num_drafts:
             raise ValueError("a survival length head needs num_drafts (K)")
+        if history and kind != "survival":
+            raise ValueError(f"{HISTORY_KEY} needs a survival length head")
         self.kind, self.hidden_size, self.bottleneck = kind, hidden_size, bottleneck
         self.num_drafts = num_drafts if kind == "survival" else None
+        self.history = history
         extra = CONFIDENCE_FEATURES * num_drafts if kind == "survival" else 0
+        extra += HISTORY_FEATURES if history else 0
         self.proj = nn.Linear(2 * hidden_size + extra, bottleneck)
         self.mid = nn.Linear(bottleneck, bottleneck)
         self.out = nn.Linear(bottleneck, num_drafts if kind == "survival" else 1)
@@ -131,37 +147,54 @@ class LengthHead(nn.Module):
         return self.kind == "survival"
 
     def forward(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """a_hat [B]: the predicted accepted fraction of the K drafts."""
-        return self.ratio(hidden, confidence)
+        return self.ratio(hidden, confidence, history)
 
     def ratio(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.kind == "ratio":
             return torch.sigmoid(self.logits(hidden).squeeze(-1))
-        return self.survival(hidden, confidence).mean(-1)
+        return self.survival(hidden, confidence, history).mean(-1)
 
     def survival(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """s [B, K] = P(at least j drafts accepted), non-increasing in j (survival
         kind only; budget.py derives a geometric one for the ratio kind)."""
         if self.kind != "survival":
             raise TypeError("a ratio length head predicts a_hat only")
-        return torch.sigmoid(self.logits(hidden, confidence)).cumprod(-1)
+        return torch.sigmoid(self.logits(hidden, confidence, history)).cumprod(-1)
 
     def logits(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, K] conditional acceptance logits (survival) or [B, 1] (ratio)."""
-        return self.mlp(self.inputs(hidden, confidence))
+        return self.mlp(self.inputs(hidden, confidence, history))
 
     def inputs(
-        self, hidden: torch.Tensor, confidence: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        confidence: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, 2H (+ 3K)]: pooled hidden states (+ the confidence features)."""
+        """x [B, 2H (+ 3K) (+ 3)]: pooled hidden states (+ the confidence
+        features) (+ the previous round's; None reads as "no previous round").
+        A head without `history` ignores it."""
         h = hidden.float()
         parts = [h.mean(dim=-2), h[..., -1, :]]
         if self.kind == "survival":
@@ -173,6 +206,10 @@ class LengthHead(nn.Module):
                     f"{confidence.shape[-2]}"
                 )
             parts.append(confidence.float().flatten(-2))
+        if self.history:
+            if history is None:
+                history = h.new_zeros(*h.shape[:-2], HISTORY_FEATURES)
+            parts.append(history.float())
         return torch.cat(parts, dim=-1)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +238,14 @@ def head_kind(drafter_cfg: dict) -> str:
     return kind
 
 
+def head_history(drafter_cfg: dict) -> bool:
+    """Whether the head reads the previous round (`length_head_history`)."""
+    value = (drafter_cfg.get("dflash_config") or {}).get(HISTORY_KEY, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"dflash_config.{HISTORY_KEY} is {value!r}; use true or false")
+    return value
+
+
 def make_length_head(drafter_cfg: dict) -> LengthHead | None:
     """A fresh head shaped as a drafter config (hidden_size, block_size,
     dflash_config) names it, or None when it names none."""
@@ -213,7 +258,20 @@ def make_length_head(drafter_cfg: dict) -> LengthHead | None:
         bottleneck,
         num_drafts=int(drafter_cfg.get("block_size", 16)) - 1,
         kind=kind,
+        history=head_history(drafter_cfg),
     )
+
+
+def round_history(
+    accepted: torch.Tensor, verified: torch.Tensor, num_drafts: int
+) -> torch.Tensor:
+    """History features [B, 3] (module docstring) from each request's previous
+    round: `verified` drafts k' [B] (0: none, or no such round) of which
+    `accepted` a' [B] were accepted (clamped to k')."""
+    k = verified.float()
+    u = (k > 0).float()
+    a = torch.minimum(accepted.float().clamp_min(0), k)
+    return torch.stack([u, u * a / num_drafts, u * (a == k).float()], dim=-1)
 
 
 def load_length_head(
@@ -241,8 +299,8 @@ def load_length_head(
         raise ValueError(
             f"length head in {folder} has shapes {got}, but a {head.kind} head for "
             f"this drafter (hidden size {head.hidden_size}, K = "
-            f"{head.num_drafts or 'any'}, {CONFIG_KEY}={head.bottleneck}) has "
-            f"{want}"
+            f"{head.num_drafts or 'any'}, {CONFIG_KEY}={head.bottleneck}, "
+            f"{HISTORY_KEY}={str(head.history).lower()}) has {want}"
         )
     head.load_state_dict(state)
     return head.eval()

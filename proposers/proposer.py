@@ -32,7 +32,11 @@ from adaflash_vllm.proposers.cost_model import (
     profile_step_costs,
 )
 from adaflash_vllm.proposers.draft_gate import BatchSizeGates
-from adaflash_vllm.proposers.length_head import CONFIDENCE_FEATURES, draft_confidence
+from adaflash_vllm.proposers.length_head import (
+    CONFIDENCE_FEATURES,
+    draft_confidence,
+    round_history,
+)
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from adaflash_vllm.proposers.row_max import first_argmax
 from typing_extensions import override
@@ -173,6 +177,7 @@ class AdaFlashProposer(DFlashProposer):
         # cache then lacks those tokens (later drafts worse, output unchanged).
         self.context_upkeep = True
         self._budgets: dict[str, int] | None = None
+        self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
         # debug: (event, start, end, cpu seconds), see record_timeline()
         self.timeline: list[tuple[str, float, float, float]] | None = None
@@ -459,6 +464,12 @@ class AdaFlashProposer(DFlashProposer):
                 opened.full_accept,
             )
         elif self.budget_policy is not None:
+            history = (
+                self._round_history(req_ids, last)
+                if self.budget_policy.needs_history
+                else None
+            )
+            self.history_steps += history is not None
             chose_at = self._synced_clock()
             budgets = self.budget_policy.choose(
                 req_ids=req_ids,
@@ -466,6 +477,7 @@ class AdaFlashProposer(DFlashProposer):
                 hidden_states=hidden,
                 confidence=confidence,
                 draft_ms=1e3 * (chose_at - started),
+                history=history,
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
@@ -673,6 +685,31 @@ class AdaFlashProposer(DFlashProposer):
                 round_ms=1e3 * (started - last.started),
                 survival=self._position_survival.survival(),
             )
+
+    def _round_history(
+        self, req_ids: list[str], last: _Propose | None
+    ) -> torch.Tensor | None:
+        """Each request's previous round for a length head with history
+        (`length_head.round_history`), [B, 3] on the device without a host sync:
+        the drafts it verified (the last propose's budgets) and the tokens it
+        emitted in this step's verification, whose rows are this step's batch
+        order, as `req_ids` is. None (no previous round for any request) when no
+        verification ran this step or the last propose did not draft."""
+        sampler = getattr(self._runner, "rejection_sampler", None)
+        take = getattr(sampler, "take_emitted", None)
+        emitted = take() if take is not None else None
+        if (
+            emitted is None
+            or emitted.shape[0] != len(req_ids)
+            or last is None
+            or not last.drafted
+            or not last.budgets
+        ):
+            return None
+        verified = torch.tensor(
+            [last.budgets.get(r, 0) for r in req_ids], dtype=torch.long
+        ).to(emitted.device, non_blocking=True)
+        return round_history(emitted - 1, verified, self.num_speculative_tokens)
 
     def _sampler_accepted(self) -> int:
         sampler = getattr(self._runner, "rejection_sampler", None)

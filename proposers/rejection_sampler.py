@@ -31,6 +31,7 @@ class AdaFlashRejectionSampler(RejectionSampler):
         self._emitted: torch.Tensor | None = None
         self._accepted_per_bin: torch.Tensor | None = None  # bin n: n - 1 drafts
         self._accepted: int | None = 0  # accepted_total's value, None when stale
+        self._last_emitted: torch.Tensor | None = None  # [B] of the last forward
         self.recording = True  # off while profiling with dummy batches
 
     @override
@@ -63,6 +64,14 @@ class AdaFlashRejectionSampler(RejectionSampler):
             self._accepted_per_bin = bins.clamp_min(0)
         self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
         self._accepted = None
+        self._last_emitted = emitted
+
+    def take_emitted(self) -> torch.Tensor | None:
+        """Tokens each request emitted (accepted + 1, [B] on the device, rows in
+        the step's batch order) in this step's verification, or None when none
+        ran since the last call."""
+        emitted, self._last_emitted = self._last_emitted, None
+        return emitted
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counts; verify_hist[j] = rounds that verified j drafts,

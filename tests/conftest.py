@@ -34,8 +34,9 @@ def tiny(tmp_path_factory) -> TinyModels:
 
 @pytest.fixture(scope="session")
 def tiny_head_drafter(tiny) -> Path:
-    """The trained tiny drafter plus a length head trained on its acceptance."""
-    from adaflash_vllm.proposers.length_head import CONFIG_KEY, KIND_KEY
+    """The trained tiny drafter plus a length head trained on its acceptance
+    (a survival head reading the previous round, as new heads do)."""
+    from adaflash_vllm.proposers.length_head import CONFIG_KEY, HISTORY_KEY, KIND_KEY
     from adaflash_vllm.training.checkpoint import load_drafter, save_drafter
     from adaflash_vllm.training.drafter import DFlashDrafter
     from adaflash_vllm.training.features import TargetModel
@@ -44,6 +45,7 @@ def tiny_head_drafter(tiny) -> Path:
     cfg, state = load_drafter(tiny.drafter_trained)
     cfg["dflash_config"][CONFIG_KEY] = 32
     cfg["dflash_config"][KIND_KEY] = "survival"
+    cfg["dflash_config"][HISTORY_KEY] = True
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state, strict=False)
     threads = torch.get_num_threads()

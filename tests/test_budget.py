@@ -34,10 +34,10 @@ class _FixedSurvival:
     def __init__(self, s: torch.Tensor):
         self.s = s
 
-    def __call__(self, hidden, confidence=None):
+    def __call__(self, hidden, confidence=None, history=None):
         return self.s
 
-    def ratio(self, hidden, confidence=None):
+    def ratio(self, hidden, confidence=None, history=None):
         return self.s.sum(-1) / self.s.shape[-1]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from adaflash_vllm.proposers.length_head import (
     CONFIG_KEY,
+    HISTORY_KEY,
     KIND_KEY,
     LengthHead,
     calibration,
@@ -35,8 +36,13 @@ K = 3  # the tiny drafter's drafts per block
 
 
 def _with_head(tiny, kind: str | None) -> DFlashDrafter:
+    """kind: "survival", "ratio", "history" (survival reading the previous
+    round) or None (a checkpoint from before length_head_kind)."""
     cfg, state = load_drafter(tiny.drafter_trained)
     cfg["dflash_config"][CONFIG_KEY] = 32
+    if kind == "history":
+        kind = "survival"
+        cfg["dflash_config"][HISTORY_KEY] = True
     if kind is not None:
         cfg["dflash_config"][KIND_KEY] = kind
     drafter = DFlashDrafter(cfg)
@@ -44,7 +50,7 @@ def _with_head(tiny, kind: str | None) -> DFlashDrafter:
     return drafter
 
 
-@pytest.fixture(scope="module", params=["survival", "ratio"])
+@pytest.fixture(scope="module", params=["survival", "ratio", "history"])
 def drafter_with_head(request, tiny):
     drafter = _with_head(tiny, request.param)
     target = TargetModel(tiny.target)
@@ -74,6 +80,15 @@ def test_head_beats_constant_predictor_on_held_out_rounds(drafter_with_head):
     assert 0 <= cal["ece"] <= 1
     assert set(cal["budget_recall"]) == {"0.15", "0.3", "0.5"}
     assert all(0 < v <= 1 for v in cal["budget_recall"].values())
+    # The rounds serving drafts (one served chain per sequence): fewer, the
+    # same measures. A head with history, trained on such chains and reading
+    # the previous round there, beats the constants on them too (the heads
+    # trained at every position do not, on these tiny models).
+    served = cal["served"]
+    assert 20 < served["n"] < cal["n"], served
+    if drafter.length_head.history:
+        assert served["mae_mean"] < served["mae_constant_mean"], served
+        assert served["mae"] <= served["mae_constant"] + 1e-6, served
 
 
 def test_head_round_trips_through_the_checkpoint(drafter_with_head, tmp_path):
@@ -87,9 +102,13 @@ def test_head_round_trips_through_the_checkpoint(drafter_with_head, tmp_path):
     assert set(index.values()) == {"model.safetensors"}
     head = load_length_head(out)
     assert head.kind == drafter.length_head.kind
+    assert head.history == drafter.length_head.history
     x = torch.randn(5, K, drafter.cfg["hidden_size"])
     conf = draft_confidence(torch.randn(5, K, 40))
     assert torch.allclose(head(x, conf), drafter.length_head(x, conf))
+    if head.history:
+        prev = torch.tensor([[1.0, 1.0, 1.0]] * 5)
+        assert torch.allclose(head(x, conf, prev), drafter.length_head(x, conf, prev))
     cfg, state = load_drafter(out)
     reloaded = DFlashDrafter(cfg)
     reloaded.load_state_dict(state)  # strict: drafter + head keys both present
@@ -102,15 +121,29 @@ def test_checkpoint_without_a_kind_holds_a_ratio_head(tiny):
     assert not drafter.length_head.needs_confidence
 
 
-@pytest.mark.parametrize("kind", ["survival", "ratio"])
+@pytest.mark.parametrize("kind", ["survival", "ratio", "history"])
 def test_head_that_does_not_fit_is_rejected(tmp_path, tiny, kind):
     drafter = _with_head(tiny, kind)
     state = dict(drafter.state_dict())
-    small = LengthHead(16, 32, num_drafts=K, kind=kind)
+    small = LengthHead(16, 32, num_drafts=K, kind=kind.replace("history", "survival"))
     state.update({f"length_head.{k}": v for k, v in small.state_dict().items()})
     out = save_drafter(tmp_path / "bad", drafter.cfg, state)
     with pytest.raises(ValueError, match="has shapes"):
         load_length_head(out)
+
+
+def test_head_with_history_does_not_load_as_one_without(tmp_path, tiny):
+    """A checkpoint whose config lost `length_head_history` is refused, naming
+    the key (its head's first layer reads 3 more inputs)."""
+    drafter = _with_head(tiny, "history")
+    out = save_drafter(tmp_path / "h", drafter.cfg, drafter.state_dict())
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["dflash_config"][HISTORY_KEY]
+    with pytest.raises(ValueError, match="length_head_history=false"):
+        load_length_head(out, cfg)
+    cfg["dflash_config"][HISTORY_KEY] = "yes"
+    with pytest.raises(ValueError, match="true or false"):
+        load_length_head(out, cfg)
 
 
 def test_survival_head_refuses_another_k():

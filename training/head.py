@@ -15,6 +15,14 @@ Losses, per valid block with a accepted drafts out of n valid slots:
       the sequence, a = n < K, is censored: no rejection term);
     ratio head: (a_hat - a / n)^2.
 
+A head with history (`length_head.round_history`) reads the request's previous
+round, so it trains and is scored on blocks where serving would draft them: along
+served chains (`served_chains`), each round starting right after the last one's
+accepted drafts and bonus token. Its training chains also cut rounds short at
+random budgets, as cost-aware serving does, so it learns what a budget-capped
+count (a' = k' < K) says; every position also trains once without a previous
+round (a request's first round, or one after a step without a draft).
+
 Shape symbols: B sequences, M anchors, K drafts per block, H hidden, V vocabulary.
 """
 
@@ -28,6 +36,7 @@ from adaflash_vllm.proposers.length_head import (
     acceptance_labels,
     calibration,
     draft_confidence,
+    round_history,
 )
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
@@ -37,6 +46,9 @@ from adaflash_vllm.training.blocks import (
 )
 from adaflash_vllm.training.data import Sequence
 from tqdm import tqdm
+
+CHAINS = 4  # served chains per training sequence for a head with history
+CUT_SHARE = 0.3  # rounds of the chains after the first cut at a random budget
 
 
 def head_targets(
@@ -103,6 +115,7 @@ def head_loss(
     accepted: torch.Tensor,  # [B, M]
     valid_slots: torch.Tensor,  # [B, M]
     mask: torch.Tensor,  # [B, M] 1.0 for blocks that count
+    history: torch.Tensor | None = None,  # [B, M, 3] round_history, or none
 ) -> tuple[torch.Tensor, float]:
     """(training loss over valid blocks, MSE of the predicted ratio for logs).
     Inputs are detached here: the head never trains the drafter."""
@@ -110,7 +123,7 @@ def head_loss(
     ratio = acceptance_labels(accepted, valid_slots)
     denom = mask.sum().clamp_min(1)
     if head.kind == "survival":
-        cond = head.logits(hidden, confidence)
+        cond = head.logits(hidden, confidence, history)
         loss = (survival_nll(cond, accepted, valid_slots) * mask).sum() / denom
         with torch.no_grad():
             pred = _survival_ratio(torch.sigmoid(cond).cumprod(-1), valid_slots)
@@ -135,6 +148,58 @@ def _blocks(drafter, target, seqs, num_drafts, num_anchors, generator):
     return hidden, confidence, accepted, valid_slots, mask
 
 
+def served_chains(
+    accepted: list[int],
+    num_drafts: int,
+    *,
+    chains: int = 1,
+    cut_share: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[tuple[int, int, int]]:
+    """Rounds of served chains over one sequence whose block at response offset i
+    accepts `accepted[i]` drafts (greedy verification of all K): (offset, previous
+    round's accepted a', its verified k'), k' = 0 on a chain's first round.
+
+    The first chain verifies all K every round; each later one cuts a round short
+    with probability `cut_share`, at k ~ U{1..K} (as budgets do), so its next
+    round starts earlier. Repeated (offset, a', k') rounds are kept once."""
+    seen: dict[tuple[int, int, int], None] = {}
+    for c in range(chains):
+        i, prev = 0, (0, 0)
+        while i < len(accepted):
+            seen.setdefault((i, *prev))
+            k = num_drafts
+            if c and float(torch.rand((), generator=generator)) < cut_share:
+                k = int(torch.randint(1, num_drafts + 1, (), generator=generator))
+            a = min(accepted[i], k)
+            prev, i = (a, k), i + a + 1
+    return list(seen)
+
+
+def _chain_rows(
+    accepted: torch.Tensor,  # [B, M] every response position an anchor
+    mask: torch.Tensor,  # [B, M]
+    num_drafts: int,
+    *,
+    every: bool = False,
+    **chain_args,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence [R], anchor index [R], history [R, 3]) of the served chains'
+    rounds of every sequence in a batch made with every position an anchor;
+    with `every`, also every other position as a block without a previous round
+    (u = 0), as on a request's first round or after a step without a draft."""
+    seq, idx, acc, ver = [], [], [], []
+    for b in range(accepted.shape[0]):
+        n = int(mask[b].sum())  # valid anchors lead, in position order
+        rounds = served_chains(accepted[b, :n].tolist(), num_drafts, **chain_args)
+        if every:
+            rounds = list(dict.fromkeys(rounds + [(i, 0, 0) for i in range(n)]))
+        for i, a, k in rounds:
+            seq.append(b), idx.append(i), acc.append(a), ver.append(k)
+    history = round_history(torch.tensor(acc), torch.tensor(ver), num_drafts)
+    return torch.tensor(seq, dtype=torch.long), torch.tensor(idx), history
+
+
 @torch.no_grad()
 def _head_inputs(
     head: LengthHead,
@@ -148,7 +213,10 @@ def _head_inputs(
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head's inputs x [N, F], accepted [N] and valid slots [N] of every
-    valid block of `seqs` (one drafter pass: the head then trains on these)."""
+    valid block of `seqs` (one drafter pass: the head then trains on these). A
+    head with history takes the rounds of `CHAINS` served chains per sequence,
+    each reading its previous round, and every position once without one (the
+    drafter then runs at every position, whatever `num_anchors`)."""
     xs, accs, valids = [], [], []
     for i in tqdm(
         range(0, len(seqs), batch_size),
@@ -161,11 +229,25 @@ def _head_inputs(
             target,
             seqs[i : i + batch_size],
             num_drafts,
-            num_anchors,
+            None if head.history else num_anchors,
             generator,
         )
-        keep = mask.bool()
         conf = confidence if head.needs_confidence else None
+        if head.history:
+            b, m, history = _chain_rows(
+                accepted,
+                mask,
+                num_drafts,
+                every=True,
+                chains=CHAINS,
+                cut_share=CUT_SHARE,
+                generator=generator,
+            )
+            xs.append(head.inputs(hidden[b, m], confidence[b, m], history))
+            accs.append(accepted[b, m])
+            valids.append(valid_slots[b, m])
+            continue
+        keep = mask.bool()
         xs.append(head.inputs(hidden, conf)[keep])
         accs.append(accepted[keep])
         valids.append(valid_slots[keep])
@@ -283,8 +365,11 @@ def evaluate_length_head(
     `mae` scores a survival head's median forecast (a ratio head's mean, the only
     forecast it makes), `mae_mean` the mean, against the best constant
     (`mae_constant`, the realised median) and the realised mean; ECE; and the
-    budget recall."""
+    budget recall. `served` is the same calibration on the rounds of one served
+    chain per sequence (all K verified), the blocks serving drafts: a head with
+    history reads each one's previous round there (and none at every position)."""
     preds, medians, reals, head_s, conf_s, accs = [], [], [], [], [], []
+    served: dict[str, list[torch.Tensor]] = {"pred": [], "median": [], "real": []}
     for i in range(0, len(seqs), batch_size):
         hidden, confidence, accepted, valid_slots, mask = _blocks(
             drafter, target, seqs[i : i + batch_size], num_drafts, None, None
@@ -303,6 +388,7 @@ def evaluate_length_head(
         head_s.append(survival[full])
         conf_s.append(confidence[..., 0].exp().cumprod(-1)[full])
         accs.append(accepted[full])
+        _served_round(head, served, hidden, confidence, accepted, valid_slots, mask)
     if not preds:
         return calibration(torch.empty(0), torch.empty(0))
     median = torch.cat(medians) if medians else None
@@ -310,4 +396,24 @@ def evaluate_length_head(
     acc = torch.cat(accs)
     result["budget_recall"] = budget_recall(torch.cat(head_s), acc)
     result["budget_recall_confidence"] = budget_recall(torch.cat(conf_s), acc)
+    result["served"] = calibration(
+        torch.cat(served["pred"]),
+        torch.cat(served["real"]),
+        median=torch.cat(served["median"]) if served["median"] else None,
+    )
     return result
+
+
+def _served_round(head, served, hidden, confidence, accepted, valid_slots, mask):
+    """Add one batch's served-chain rounds to `served` (evaluate_length_head)."""
+    b, m, history = _chain_rows(accepted, mask, hidden.shape[-2])
+    if not head.history:
+        history = None
+    valid = valid_slots[b, m]
+    served["real"].append(acceptance_labels(accepted[b, m], valid))
+    if head.kind != "survival":
+        served["pred"].append(head.ratio(hidden[b, m]))
+        return
+    survival = head.survival(hidden[b, m], confidence[b, m], history)
+    served["pred"].append(_survival_ratio(survival, valid))
+    served["median"].append(median_ratio(survival, valid))

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from adaflash_vllm.proposers.length_head import draft_confidence
+from adaflash_vllm.proposers.length_head import draft_confidence, round_history
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
     block_labels,
@@ -378,18 +378,32 @@ class OnlineTrainer:
 
     def _sequences(
         self, trajectories: list[Trajectory]
-    ) -> tuple[list[Sequence], list[list[int]]]:
+    ) -> tuple[list[Sequence], list[dict[int, tuple[int, int]]]]:
+        """The served sequences and, per sequence, its logged rounds' anchors,
+        each with the round before it as (accepted, verified) drafts ((0, 0) for
+        the first): what a length head with history read when it was served."""
         seqs, forced = [], []
         for t in trajectories:
             ids = (t.prompt_token_ids + t.output_token_ids)[: self.cfg.max_len]
             prompt_len = min(len(t.prompt_token_ids), len(ids))
             seqs.append(Sequence(ids, prompt_len, t.domain or ""))
             # The drafter block of a round was anchored at its position - 1.
-            forced.append([p - 1 for p in t.round_positions if p - 1 < len(ids) - 1])
+            before = zip([0, *t.round_accepted], [0, *t.round_drafts], strict=False)
+            forced.append(
+                {
+                    p - 1: prev
+                    for p, prev in zip(t.round_positions, before, strict=False)
+                    if p - 1 < len(ids) - 1
+                }
+            )
         return seqs, forced
 
     def step(
-        self, seqs: list[Sequence], forced: list[list[int]], *, measure_accept: bool
+        self,
+        seqs: list[Sequence],
+        forced: list[dict[int, tuple[int, int]]],
+        *,
+        measure_accept: bool,
     ) -> dict[str, float]:
         """One AdamW step on the OPD loss over the blocks of `seqs`."""
         from adaflash_vllm.kernels import opd_loss
@@ -427,13 +441,19 @@ class OnlineTrainer:
                 accepted, valid_slots = head_targets(logits, labels, label_valid)
                 confidence = draft_confidence(logits)
             mask = (batch.anchor_valid & label_valid.any(-1)).float()
+            head = self.drafter.length_head
             h_loss, head_mse = head_loss(
-                self.drafter.length_head,
+                head,
                 hidden,
                 confidence,
                 accepted,
                 valid_slots,
                 mask,
+                history=(
+                    _forced_history(batch.anchors, forced, self.num_drafts)
+                    if head.history
+                    else None
+                ),
             )
             loss = loss + h_loss
         self.optimizer.zero_grad(set_to_none=True)
@@ -466,7 +486,9 @@ class OnlineTrainer:
         }
 
     @torch.no_grad()
-    def measure_accept(self, seqs: list[Sequence], forced: list[list[int]]) -> float:
+    def measure_accept(
+        self, seqs: list[Sequence], forced: list[dict[int, tuple[int, int]]]
+    ) -> float:
         """Mean greedy accepted drafts per logged block with the current weights."""
         self.drafter.eval()
         total, blocks = 0.0, 0
@@ -547,6 +569,20 @@ class OnlineTrainer:
         self._beat_stop.set()
         if self.push_server is not None:
             self.push_server.stop()
+
+
+def _forced_history(
+    anchors: torch.Tensor, forced: list[dict[int, tuple[int, int]]], num_drafts: int
+) -> torch.Tensor:
+    """History features [B, M, 3] (`length_head.round_history`) of a batch's
+    blocks: a logged round's block reads the round before it; the random blocks
+    read none."""
+    prev = [
+        [forced[b].get(a, (0, 0)) for a in row]
+        for b, row in enumerate(anchors.tolist())
+    ]
+    pairs = torch.tensor(prev, dtype=torch.long).view(*anchors.shape, 2)
+    return round_history(pairs[..., 0], pairs[..., 1], num_drafts).to(anchors.device)
 
 
 def _to(batch, device: torch.device):

@@ -20,7 +20,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from adaflash_vllm.proposers.length_head import CONFIG_KEY, KIND_KEY, make_length_head
+from adaflash_vllm.proposers.length_head import (
+    CONFIG_KEY,
+    HISTORY_KEY,
+    KIND_KEY,
+    make_length_head,
+)
 from adaflash_vllm.training.checkpoint import drafter_config
 from adaflash_vllm.training.data import (
     Sequence,
@@ -89,6 +94,13 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
         "(e.g. for a z-lab drafter, which ships without one)",
     )
     p.add_argument(
+        "--head-history",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the new length head also reads each request's previous round "
+        "(dflash_config.length_head_history; trained on served chains)",
+    )
+    p.add_argument(
         "--head-epochs", type=int, default=20, help="passes over the head's blocks"
     )
     p.add_argument(
@@ -112,14 +124,18 @@ def default_layer_ids(num_layers: int, count: int = 3) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / max(1, n - 1)) for i in range(n)})
 
 
-def _replace_length_head(drafter, bottleneck: int, seed: int) -> None:
+def _head_keys(bottleneck: int, history: bool) -> dict:
+    """The dflash_config keys of a new survival length head."""
+    return {CONFIG_KEY: bottleneck, KIND_KEY: "survival", HISTORY_KEY: history}
+
+
+def _replace_length_head(drafter, bottleneck: int, seed: int, history: bool) -> None:
     """Give `drafter` a fresh survival length head of bottleneck D (its config
     names it, so the checkpoint it saves loads with the head), initialised from
     `seed` alone (not from whatever head the checkpoint had)."""
     import torch
 
-    dflash = drafter.cfg.setdefault("dflash_config", {})
-    dflash[CONFIG_KEY], dflash[KIND_KEY] = bottleneck, "survival"
+    drafter.cfg.setdefault("dflash_config", {}).update(_head_keys(bottleneck, history))
     torch.manual_seed(seed)
     drafter.length_head = make_length_head(drafter.cfg)
 
@@ -223,7 +239,9 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
     if args.init:
         drafter = load_or_init_drafter(args.init, None)
         if args.head_only:
-            _replace_length_head(drafter, args.length_head, args.seed)
+            _replace_length_head(
+                drafter, args.length_head, args.seed, args.head_history
+            )
     else:
         layer_ids = args.target_layer_ids or default_layer_ids(tgt.num_layers)
         drafter = load_or_init_drafter(
@@ -235,7 +253,7 @@ def main_train_drafter(args: argparse.Namespace) -> dict:
                 mask_token_id=mask_token_of(target),
                 block_size=args.block_size,
                 extra_dflash=(
-                    {CONFIG_KEY: args.length_head, KIND_KEY: "survival"}
+                    _head_keys(args.length_head, args.head_history)
                     if args.length_head
                     else None
                 ),
@@ -299,6 +317,12 @@ def add_eval_drafter_args(p: argparse.ArgumentParser) -> None:
         help="JSONL prompt files (one tau per file)",
     )
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="leave out each file's first N prompts (evaluate the next ones)",
+    )
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results JSON here")
@@ -310,7 +334,11 @@ def main_eval_drafter(args: argparse.Namespace) -> dict:
     import torch
     from adaflash_vllm.training.features import TargetModel
 
-    sets = {Path(p).stem: load_prompts(p)[: args.num_prompts] for p in args.prompts}
+    first = args.skip_prompts
+    sets = {
+        Path(p).stem: load_prompts(p)[first : first + args.num_prompts]
+        for p in args.prompts
+    }
     flat = [r for recs in sets.values() for r in recs]
     seqs = regenerate_sequences(
         Path(args.target),
@@ -337,6 +365,7 @@ def main_eval_drafter(args: argparse.Namespace) -> dict:
         "target": args.target,
         "drafter": args.drafter,
         "num_prompts": args.num_prompts,
+        "skip_prompts": args.skip_prompts,
         "max_tokens": args.max_tokens,
     }
     if args.out:

@@ -47,6 +47,10 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
     # The survival head read the confidence of the drafts' own logits.
     assert budget["length_head_kind"] == "survival"
     assert budget["survival"] == "HeadSurvival"
+    # It read each request's previous round (u = 1 rows) on steps after a
+    # drafting step that verified drafts.
+    assert budget["length_head_history"] is True
+    assert budget["history_steps"] > 0, budget
     assert (
         budget["policy"]
         == {"paper": "PaperBudget", "cost_aware": "CostAwareBudget"}[policy_llm["mode"]]
