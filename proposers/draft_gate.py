@@ -131,7 +131,11 @@ class DraftGate:
     # (drafting's rate follows the text, and is measured). Such a check comes
     # when an exploration would, and decides as `_settle` does; skipping is
     # explored for real only when its last measurement is
-    # `skip_remeasure_steps` old (to keep the scale true).
+    # `skip_remeasure_steps` old (to keep the scale true). That real check comes
+    # at the next due exploration even where drafting looks sure (the cost
+    # model's estimate or the measured rates by `sure_margin`), which otherwise
+    # spares skipping every check: one bad early measurement of skipping, or a
+    # miscalibrated head feeding the estimate, would keep drafting for good.
     skip_remeasure_steps: int = 2048
     plain_ms: float | None = None  # the cost curve at B tokens, this step
     skip_plain_ms: RatioEMA = field(init=False)  # plain_ms over skipped rounds
@@ -174,6 +178,12 @@ class DraftGate:
             else:
                 self._explore(num_reqs, reason)
                 draft = not self.drafting
+        elif reason and self._skipping_stale():
+            # However sure drafting looks (a cost model fed a miscalibrated
+            # head, or skipping measured once at a bad moment), a skipping rate
+            # that old is measured again for real.
+            self._explore(num_reqs, "stale")
+            draft = False
         else:
             draft = self.drafting
         self.drafted_steps += draft
@@ -384,6 +394,14 @@ class DraftGate:
             self.drafting
             and self._predicted_skip_rate() is not None
             and self.step - self.skip_measured_at < self.skip_remeasure_steps
+        )
+
+    def _skipping_stale(self) -> bool:
+        """Drafting, and skipping's rate was last measured on real skipped
+        rounds `skip_remeasure_steps` or more steps ago (or never)."""
+        return (
+            self.drafting
+            and self.step - self.skip_measured_at >= self.skip_remeasure_steps
         )
 
     def _check_predicted(self, num_reqs: int, reason: str) -> None:

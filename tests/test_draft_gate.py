@@ -169,6 +169,24 @@ def test_measured_win_by_sure_margin_stops_exploring_skipping():
     assert gate.drafting and modes.count(False) >= 4
 
 
+def test_a_stale_skipping_rate_is_measured_again_however_sure_drafting_looks():
+    """Skipping measured once at a bad moment (0.3x drafting), then it really
+    delivers 1.5x drafting while the cost model calls drafting sure (3x): no
+    check comes until skipping's measurement is `skip_remeasure_steps` old; then
+    checks explore it for real (each `skip_remeasure_steps` apart while they
+    confirm drafting: the skipping rate's EMA climbs from the bad measurement),
+    and the gate switches."""
+    gate = DraftGate(
+        min_interval=8, max_interval=128, explore_steps=3, skip_remeasure_steps=512
+    )
+    _serve(gate, 200, draft_rate=1.0, skip_rate=0.3, model_ratio=1.0)
+    assert gate.drafting and gate.skip_measured_at < 20  # the first exploration
+    modes = _serve(gate, 1200, draft_rate=1.0, skip_rate=1.5, model_ratio=3.0)
+    switched = modes.index(False)
+    assert 512 - 200 < switched < 1200 - 200, switched
+    assert gate.explorations.get("stale", 0) >= 1 and not gate.drafting
+
+
 def test_charge_skipped_moves_time_onto_skipped_rounds():
     """Context K/V written later for 4 skipped steps (8 ms): 2 ms more per skipped
     round and per context-only propose."""
