@@ -108,7 +108,8 @@ def add_train_drafter_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="blocks per sequence for the head (default: every position; each "
-        "block keeps 2 * hidden + 3 * K floats in memory)",
+        "block keeps 2 * hidden + 3 * K floats in memory; a head with history "
+        "always takes every position and its served chains)",
     )
     p.add_argument("--head-lr", type=float, default=2e-3)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA)")
