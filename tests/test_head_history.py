@@ -105,7 +105,7 @@ def test_proposer_pairs_each_request_with_its_own_round():
     h = AdaFlashProposer._round_history(me, ["b", "a", "new", "d"], last)
     assert h.tolist() == [
         [1.0, 0.5, 1.0],  # b: 2 of 2
-        [0.0 + 1.0, 0.0, 0.0],  # a: 0 of 4
+        [1.0, 0.0, 0.0],  # a: 0 of 4
         [0.0, 0.0, 0.0],  # new: no round
         [1.0, 1.0, 1.0],  # d: 4 of 4
     ]
