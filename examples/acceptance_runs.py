@@ -26,14 +26,16 @@ _GROUPS = (("0", 0, 0), ("1", 1, 1), ("2-4", 2, 4), ("5-6", 5, 6), ("7", 7, 7))
 
 
 def chain_pairs(by_anchor: dict[int, int], start: int, end: int, k: int):
-    """(previous round's accepted, this round's accepted) along one chain."""
-    pairs, p, prev = [], start, None
-    while p < end - k:  # rounds whose block fits before the sequence's end
-        a = by_anchor.get(p, 0)
-        if prev is not None:
-            pairs.append((prev, a))
-        prev, p = a, p + a + 1
-    return pairs
+    """(previous round's accepted, this round's accepted) along one chain of
+    rounds whose block fits before the sequence's end (`served_chains`)."""
+    from adaflash_vllm.training.head import served_chains
+
+    accepted = [by_anchor.get(p, 0) for p in range(start, end - k)]
+    return [
+        (prev, accepted[i])
+        for i, prev, verified in served_chains(accepted, k)
+        if verified
+    ]
 
 
 def median_length(xs: list[int], k: int) -> int:
@@ -75,16 +77,9 @@ def main() -> None:
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
 
-    import torch
-    from adaflash_vllm.training.blocks import (
-        accepted_lengths,
-        block_labels,
-        make_batch,
-        student_logits,
-    )
     from adaflash_vllm.training.data import load_prompts
     from adaflash_vllm.training.features import TargetModel
-    from adaflash_vllm.training.offline import load_or_init_drafter
+    from adaflash_vllm.training.offline import anchor_acceptance, load_or_init_drafter
     from adaflash_vllm.training.train_drafter import regenerate_sequences
 
     recs = load_prompts(args.prompts)[args.skip : args.skip + args.num_prompts]
@@ -93,29 +88,10 @@ def main() -> None:
     )
     target = TargetModel(str(DEMO / "target"))
     drafter = load_or_init_drafter(str(DEMO / "drafter"), None)
-    drafter.eval()
     k = drafter.block_size - 1
     pairs = []
-    with torch.no_grad():
-        for i in range(0, len(seqs), 4):
-            chunk = [s for s in seqs[i : i + 4] if len(s.token_ids) - s.prompt_len >= 2]
-            if not chunk:
-                continue
-            batch = make_batch(chunk, num_anchors=None)
-            feats, _ = target.features(
-                batch.input_ids,
-                drafter.target_layer_ids,
-                batch.valid.long(),
-                with_logits=False,
-            )
-            logits, _ = student_logits(drafter, target, batch, feats, k)
-            labels, valid, _ = block_labels(batch, k)
-            acc = accepted_lengths(logits.argmax(-1), labels, valid)
-            for j, s in enumerate(chunk):
-                by_anchor = dict(
-                    zip(batch.anchors[j].tolist(), acc[j].tolist(), strict=True)
-                )
-                pairs += chain_pairs(by_anchor, s.prompt_len, len(s.token_ids) - 1, k)
+    for s, by_anchor in anchor_acceptance(drafter, target, seqs, k):
+        pairs += chain_pairs(by_anchor, s.prompt_len, len(s.token_ids) - 1, k)
     result = report(pairs, k)
     result["command"] = vars(args)
     text = json.dumps(result, indent=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,21 +220,19 @@ def _truncate(s: Sequence, max_len: int) -> Sequence:
 
 
 @torch.no_grad()
-def evaluate_tau(
+def anchor_acceptance(
     drafter: DFlashDrafter,
     target: TargetModel,
     seqs: list[Sequence],
     num_drafts: int,
     *,
     batch_size: int = 4,
-) -> dict:
-    """tau as greedy verification would measure it along each sequence.
-
-    One forward drafts from every anchor at once (drafts at anchor a depend only on
-    the prefix up to a), then the rounds are walked exactly as verification would.
-    """
+) -> Iterator[tuple[Sequence, dict[int, int]]]:
+    """(sequence, {anchor: drafts greedy verification accepts}) at every response
+    position of each sequence with at least 2 response tokens. One forward drafts
+    from every anchor at once (drafts at anchor a depend only on the prefix up to
+    a)."""
     drafter.eval()
-    rounds = emitted = 0
     for i in range(0, len(seqs), batch_size):
         chunk = [
             s for s in seqs[i : i + batch_size] if len(s.token_ids) - s.prompt_len >= 2
@@ -251,12 +250,27 @@ def evaluate_tau(
         labels, label_valid, _ = block_labels(batch, num_drafts)
         acc = accepted_lengths(logits.argmax(-1), labels, label_valid)
         for j, s in enumerate(chunk):
-            by_anchor = dict(
-                zip(batch.anchors[j].tolist(), acc[j].tolist(), strict=True)
-            )
-            r, e = greedy_tau(by_anchor, s)
-            rounds += r
-            emitted += e
+            yield s, dict(zip(batch.anchors[j].tolist(), acc[j].tolist(), strict=True))
+
+
+def evaluate_tau(
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    seqs: list[Sequence],
+    num_drafts: int,
+    *,
+    batch_size: int = 4,
+) -> dict:
+    """tau as greedy verification would measure it along each sequence: the
+    accepted drafts at every anchor (`anchor_acceptance`), then the rounds walked
+    exactly as verification would."""
+    rounds = emitted = 0
+    for s, by_anchor in anchor_acceptance(
+        drafter, target, seqs, num_drafts, batch_size=batch_size
+    ):
+        r, e = greedy_tau(by_anchor, s)
+        rounds += r
+        emitted += e
     return {
         "tau": emitted / max(1, rounds),
         "rounds": rounds,
