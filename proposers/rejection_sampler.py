@@ -29,8 +29,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
         # tokens emitted, accepted + 1 (device: no host sync per step).
         self._verify_hist: list[int] = [0]
         self._emitted: torch.Tensor | None = None
-        self._accepted_per_bin: torch.Tensor | None = None  # bin n: n - 1 drafts
-        self._accepted: int | None = 0  # accepted_total's value, None when stale
+        # `_emitted` on the host, None when stale (`_emitted_counts`)
+        self._host_emitted: list[int] | None = []
         self._last_emitted: torch.Tensor | None = None  # [B] of the last forward
         self.recording = True  # off while profiling with dummy batches
 
@@ -60,10 +60,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
             if self._emitted is not None:
                 grown[: self._emitted.numel()] += self._emitted
             self._emitted = grown
-            bins = torch.arange(-1, k_max + 1, device=sampled.device)
-            self._accepted_per_bin = bins.clamp_min(0)
         self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
-        self._accepted = None
+        self._host_emitted = None
         self._last_emitted = emitted
 
     def take_emitted(self) -> torch.Tensor | None:
@@ -79,15 +77,20 @@ class AdaFlashRejectionSampler(RejectionSampler):
         hist = self._verify_hist
         k = max(len(hist) - 1, 1)
         hist = hist + [0] * (k + 1 - len(hist))
-        emitted = [] if self._emitted is None else self._emitted.cpu().tolist()
-        emitted += [0] * (k + 2 - len(emitted))
+        emitted = self._emitted_counts()
+        emitted = emitted + [0] * (k + 2 - len(emitted))
         drafted = [sum(hist[j + 1 :]) for j in range(k)]
         accepted = [sum(emitted[j + 2 :]) for j in range(k)]
         return {"drafted": drafted, "accepted": accepted, "verify_hist": hist}
 
     def accepted_total(self) -> int:
-        """Accepted drafts so far (one host sync after a drafting step; none after
-        steps without drafts, which accept nothing)."""
-        if self._accepted is None:
-            self._accepted = int((self._emitted * self._accepted_per_bin).sum())
-        return self._accepted
+        """Accepted drafts so far (one host sync after a drafting step, shared
+        with `stats`; none after steps without drafts, which accept nothing)."""
+        return sum(max(n - 1, 0) * c for n, c in enumerate(self._emitted_counts()))
+
+    def _emitted_counts(self) -> list[int]:
+        """Rounds by tokens emitted (index n: n tokens) on the host, copied once
+        per verification that changed them."""
+        if self._host_emitted is None:
+            self._host_emitted = self._emitted.cpu().tolist()
+        return self._host_emitted
