@@ -294,15 +294,10 @@ class BudgetUse:
         self.chosen_steps = 0
         self.full_k_steps = 0
 
-    def active(self, num_reqs: int, force: bool = False) -> bool:
-        """Whether this step chooses (`force`: it must, e.g. a block probe)."""
+    def active(self, num_reqs: int) -> bool:
+        """Whether this step chooses."""
         st = self._states.setdefault(batch_bucket(num_reqs), _UseState())
-        use = (
-            force
-            or st.gain is None
-            or st.gain > st.overhead
-            or st.waited >= self.check_every
-        )
+        use = st.gain is None or st.gain > st.overhead or st.waited >= self.check_every
         st.waited = 0 if use else st.waited + 1
         self.chosen_steps += use
         self.full_k_steps += not use

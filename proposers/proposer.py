@@ -672,11 +672,8 @@ class AdaFlashProposer(DFlashProposer):
         if hasattr(sampler, "stats"):
             counts = sampler.stats()
             # a full block after a fully accepted round is not weighed in the S_j
-            take = (
-                self._position_survival.skip
-                if last.extended
-                else (self._position_survival.update)
-            )
+            survival = self._position_survival
+            take = survival.skip if last.extended else survival.update
             take(counts["drafted"], counts["accepted"])
         if batch == last.batch and last.after_drafted is not False:
             self.block_length.record_round(
