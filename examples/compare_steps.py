@@ -5,7 +5,7 @@ Paired rounds (`compare_no_draft.py`) alternate whole batches of 64 prompts, so 
 slow spell of this VM lands on one engine's round and not the other's; their
 ratios swing by 5-15% per round. Here every engine runs in this process
 (in-process engine core, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and they take single
-steps in turn (the order reversing every step), each keeping `--concurrency`
+steps in turn (a new seeded random order every step), each keeping `--concurrency`
 requests in flight: a finished request is replaced by the next one of the same
 seeded stream (prose prompts unless `--domain`, output lengths drawn from
 [max_tokens / 3, 5 max_tokens / 3], greedy, ignore_eos). AdaFlash's clocks (its
@@ -20,6 +20,12 @@ Run (about 5 minutes on 2 cores for 1,500 steps of three engines at 32):
         --configs no_draft,adaflash
     taskset -c 0 python examples/compare_steps.py --concurrency 1 --steps 3000 \
         --configs dflash,adaflash
+
+Engines built later in the process step a little faster (about 0.5% per
+position in A/A runs), so they are built in the order of `--configs`, plain last,
+after a spare AdaFlash engine that is never stepped; compare two configurations
+in both orders (`--configs dflash:5,adaflash` and `--configs adaflash,dflash:5`)
+to bracket the effect.
 
 A `dflash` engine here runs vLLM's DFlash code through the runner as AdaFlash's
 worker patches leave it (this process has them once an AdaFlash engine starts),
@@ -60,6 +66,10 @@ _NO_DRAFT_VARIANTS = {
     # log, admission feedback): in-process only, on the engine's own scheduler
     "nobook",
 }
+
+
+# what the summary keeps of each batch-size bucket's block length
+_BLOCK_KEYS = ("length", "trials", "switches", "extended")
 
 
 def _compared(name: str, base: str) -> bool:
@@ -104,6 +114,28 @@ def main() -> None:
     p.add_argument("--configs", default="no_draft")
     p.add_argument("--out", help="also write the JSON summary here")
     p.add_argument(
+        "--order",
+        choices=("shuffle", "reverse"),
+        default="shuffle",
+        help="the engines' order within each step: a new seeded random one every "
+        "step (default), or reversing every step (runs before 25)",
+    )
+    p.add_argument(
+        "--twins",
+        action="store_true",
+        help="build every configuration twice, the twins in reverse order "
+        "(A B plain plain#2 B#2 A#2), and pool each pair's steps and request "
+        "times: cancels the build-order effect (twice the steps' time)",
+    )
+    p.add_argument(
+        "--no-spare",
+        dest="spare",
+        action="store_false",
+        help="build no spare engine first (by default one AdaFlash engine is built "
+        "before the measured ones and never stepped, so that the measured engines "
+        "can be built in the order of --configs)",
+    )
+    p.add_argument(
         "--profile",
         metavar="DIR",
         help="cProfile each engine's steps (timings then include its overhead) and "
@@ -118,7 +150,8 @@ def main() -> None:
         p.error("--steps must exceed --warmup-steps + --block")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine
+    # GiB per engine (1 with twins: up to 2 x 4 + 1 engines in 24 GiB)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.twins else "2")
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -126,22 +159,35 @@ def main() -> None:
     from adaflash_vllm.bench.stepped import (
         Stream,
         block_ratios,
+        pooled_median_step_ms,
+        pooled_tok_s,
         ratio_summary,
         request_ratios,
         step_in_turn,
+        twin_build_order,
     )
 
-    # AdaFlash engines first: the first one applies AdaFlash's worker patches to
-    # this process (patches.py), and vLLM's runner then builds every later DFlash
-    # drafter as an AdaFlashProposer; without an AdaFlash config that runs vLLM's
-    # own DFlash code (a stock DFlash engine built before would fail the runner's
-    # isinstance check once the patches are in).
-    first = sorted(configs, key=lambda c: not c.startswith(("adaflash", "no_draft")))
-    built = {c: _build(c, args.concurrency) for c in first}
-    engines = {c: built[c] for c in configs}
-    prompts = demo_prompts(engines["plain"].get_tokenizer(), args.domain)
+    # Build order. Engines built later in this process run their steps a little
+    # faster (A/A runs of three identical DFlash engines: 0.03-0.08 ms per
+    # position at ~8 ms a step, whatever the stepping order; BENCHMARKS.md run
+    # 25). `--twins` builds every configuration twice at mirrored places and
+    # pools each pair; otherwise the order is `--configs` as given, plain last.
+    # The spare AdaFlash engine built first applies AdaFlash's worker patches
+    # (patches.py): vLLM's runner then builds every later DFlash drafter as an
+    # AdaFlashProposer, which runs vLLM's own DFlash code without an AdaFlash
+    # config (a stock DFlash engine built before the patches would fail the
+    # runner's isinstance check once they are in). Without the spare, AdaFlash
+    # engines come first.
+    spare = _build("adaflash", args.concurrency) if args.spare else None
+    first = [c for c in configs if c != "plain"] + ["plain"]
+    if spare is None:
+        first.sort(key=lambda c: not c.startswith(("adaflash", "no_draft")))
+    if args.twins:
+        first = twin_build_order(first)
+    built = {c: _build(c.removesuffix("#2"), args.concurrency) for c in first}
+    prompts = demo_prompts(built["plain"].get_tokenizer(), args.domain)
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for llm in engines.values():
+    for llm in built.values():
         llm.generate(prompts[:8], warm, use_tqdm=False)
     lengths = staggered_lengths(len(prompts), args.max_tokens)
     streams = {
@@ -154,32 +200,40 @@ def main() -> None:
             adaflash=c.startswith(("adaflash", "no_draft")),
             profile=cProfile.Profile() if args.profile else None,
         )
-        for c, llm in engines.items()
+        for c, llm in built.items()
     }
     step_in_turn(
         list(streams.values()),
         args.steps,
         progress=lambda r: tqdm(r, desc="steps", unit="step", mininterval=10),
+        order=args.order,
     )
+    del spare  # kept built (never stepped) until the measured steps are done
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         for name, s in streams.items():
             s.profile.dump_stats(os.path.join(args.profile, f"{name}.pstats"))
+    # each configuration's engine, or its twins
+    groups = {
+        c: [s for n, s in streams.items() if n.removesuffix("#2") == c] for c in configs
+    }
 
     skip = args.warmup_steps
     summary: dict = {
         "concurrency": args.concurrency,
         "steps": args.steps,
         "domain": args.domain,
+        "order": args.order,
+        "built": (["spare adaflash"] if args.spare else []) + first,
     }
     nan = float("nan")
-    for name, s in streams.items():
-        steps = s.steps[skip:]
+    for name, twins in groups.items():
+        steps = [x for s in twins for x in s.steps[skip:]]
         e = summary.setdefault("engines", {})[name] = {
-            "tok_s": s.tok_s(skip),
+            "tok_s": pooled_tok_s(twins, skip),
             "tokens_per_step": sum(x.tokens for x in steps) / len(steps),
-            "median_step_ms_decode": s.median_step_ms(skip, new_prompt=False),
-            "median_step_ms_new_prompt": s.median_step_ms(skip, new_prompt=True),
+            "median_step_ms_decode": pooled_median_step_ms(twins, skip, False),
+            "median_step_ms_new_prompt": pooled_median_step_ms(twins, skip, True),
             "new_prompt_steps": sum(x.new_prompt for x in steps),
         }
         print(
@@ -194,7 +248,7 @@ def main() -> None:
     pairs = [(n, b) for b in bases for n in configs if _compared(n, b)]
     for name, base in pairs:
         r = ratio_summary(
-            block_ratios(streams[name], streams[base], skip, args.block), "blocks"
+            block_ratios(groups[name], groups[base], skip, args.block), "blocks"
         )
         summary.setdefault(f"vs_{base}", {})[name] = r
         print(
@@ -207,14 +261,14 @@ def main() -> None:
         # engines that emit different tokens per step are at different requests
         # at any moment, so per-block ratios mix in how easy each one's text is.
         for name, base in pairs:
-            r = ratio_summary(request_ratios(streams[name], streams[base]), "requests")
+            r = ratio_summary(request_ratios(groups[name], groups[base]), "requests")
             summary.setdefault(f"per_request_vs_{base}", {})[name] = r
             print(
                 f"{name} / {base}, per request: tok/s {r['tok_s_ratio_mean']:.3f} "
                 f"+- {r['tok_s_ratio_ci95']:.3f} (95%, {r['requests']} requests; "
                 f"median {r['tok_s_ratio_median']:.3f})"
             )
-    for name, llm in engines.items():
+    for name, llm in built.items():
         if name.startswith("adaflash"):
             gate = llm.collective_rpc("adaflash_budget_state")[0]["draft_gate"] or {}
             buckets = {
@@ -230,15 +284,28 @@ def main() -> None:
                 }
                 for b, g in (gate.get("buckets") or {}).items()
             }
+            state = llm.collective_rpc("adaflash_budget_state")[0]
+            block = state.get("block_length") or {}
             summary.setdefault("adaflash_state", {})[name] = {
                 "drafted_steps": gate.get("drafted_steps"),
                 "skipped_steps": gate.get("skipped_steps"),
                 "buckets": buckets,
+                # per batch-size bucket: L*, trials, switches, full blocks run
+                # after a fully accepted round
+                "block_length": {
+                    b: {k: g.get(k) for k in _BLOCK_KEYS}
+                    for b, g in (block.get("buckets") or {}).items()
+                },
+                "budget_use": state.get("budget_use"),
+                # rounds by drafts verified (index j: j drafts), every step
+                "verify_hist": llm.collective_rpc("adaflash_sampler_stats")[0].get(
+                    "verify_hist"
+                ),
             }
             steps = {
                 k: v
                 for k, v in summary["adaflash_state"][name].items()
-                if k != "buckets"
+                if k not in ("buckets", "block_length")
             }
             print(f"{name}: {steps}")
             for bucket, g in buckets.items():
@@ -247,6 +314,8 @@ def main() -> None:
                     f"skipped {g['skipped_steps']}, drafting {g['drafting']}, "
                     f"switches {g['switches']}, explorations {g['explorations']}"
                 )
+            for bucket, g in summary["adaflash_state"][name]["block_length"].items():
+                print(f"  {name} bucket {bucket} block length: {g}")
     line = json.dumps(summary)
     print(line)
     if args.out:

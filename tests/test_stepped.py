@@ -12,9 +12,12 @@ import pytest
 from adaflash_vllm.bench.stepped import (
     Stream,
     block_ratios,
+    pooled_median_step_ms,
+    pooled_tok_s,
     ratio_summary,
     request_ratios,
     step_in_turn,
+    twin_build_order,
 )
 
 
@@ -81,7 +84,7 @@ def _streams(concurrency, specs, lengths, adaflash=()):
 
 def test_engines_step_in_turn_and_keep_the_batch_full_from_one_stream():
     (a, b), log = _streams(2, [("a", 1, 1.0), ("b", 2, 1.0)], lengths=[2, 4])
-    step_in_turn([a, b], 4)
+    step_in_turn([a, b], 4, order="reverse")
     assert log == ["a", "b", "b", "a", "a", "b", "b", "a"]
     for s in (a, b):
         added = s.llm.llm_engine.added
@@ -104,11 +107,32 @@ def test_adaflash_engines_are_told_how_long_they_sat_idle():
     (a, b), _ = _streams(
         1, [("a", 1, 0.010), ("b", 1, 0.030)], lengths=[5], adaflash={"a"}
     )
-    step_in_turn([a, b], 3)
+    step_in_turn([a, b], 3, order="reverse")
     gaps = [args[0] for method, args in a.llm.rpcs if method == "adaflash_exclude_gap"]
     # a, b | b, a | a, b: idle for two of b's steps, then not at all
     assert gaps == pytest.approx([0.060, 0.0])
     assert b.llm.rpcs == []  # not an AdaFlash engine
+
+
+def test_shuffled_turns_step_every_engine_once_a_step_in_a_seeded_order():
+    specs = [(n, 1, 1.0) for n in "abc"]
+    streams, log = _streams(1, specs, lengths=[1000])
+    step_in_turn(streams, 600)
+    turns = [log[i : i + 3] for i in range(0, len(log), 3)]
+    assert all(sorted(t) == ["a", "b", "c"] for t in turns)
+    # every engine about as often first after its own step (a warm cache):
+    # 600 steps, each 1/9 likely per engine; reversing turns gave a and c 299
+    # each and b none
+    again = {n: 0 for n in "abc"}
+    for prev, turn in zip(turns, turns[1:], strict=False):
+        if prev[-1] == turn[0]:
+            again[turn[0]] += 1
+    assert all(40 <= again[n] <= 95 for n in "abc"), again
+    rerun, log2 = _streams(1, specs, lengths=[1000])
+    step_in_turn(rerun, 600)
+    assert log2 == log  # seeded: the same order every run
+    with pytest.raises(ValueError, match="order"):
+        step_in_turn(streams, 1, order="sorted")
 
 
 def test_block_ratios_compare_the_same_steps():
@@ -130,6 +154,33 @@ def test_at_one_request_each_request_is_timed_and_paired():
     # requests both finished, less the first
     assert request_ratios(a, b) == pytest.approx([2.0, 2.0])
     assert a.request_index("a-17-0a1b") == 17
+
+
+def test_twins_are_built_at_mirrored_places_and_pooled():
+    assert twin_build_order(["a", "b", "plain"]) == [
+        "a",
+        "b",
+        "plain",
+        "plain#2",
+        "b#2",
+        "a#2",
+    ]
+    # a emits 2 tokens a step, its twin 2 as well but at twice the time; b 1
+    (a, a2, b), _ = _streams(
+        1, [("a", 2, 1.0), ("a#2", 2, 2.0), ("b", 1, 1.0)], lengths=[4]
+    )
+    step_in_turn([a, a2, b], 12)
+    # pooled per block: (2 + 2) tokens in (1 + 2) s against b's 1 token a second
+    assert block_ratios([a, a2], b, skip=0, block=4) == pytest.approx([4 / 3] * 3)
+    assert pooled_tok_s([a, a2]) == pytest.approx(48 / 36)
+    assert pooled_tok_s(a) == a.tok_s() == pytest.approx(2.0)
+    # per request: a takes 2 s, its twin 4 s (mean 3), b 4 s; requests 1 and 2
+    # (request 0 left out) are the ones all three finished
+    assert request_ratios([a, a2], [b]) == pytest.approx([4 / 3, 4 / 3])
+    assert request_ratios(b, [a, a2]) == pytest.approx([3 / 4, 3 / 4])
+    # medians over both twins' steps (batch full, no new prompt: every other
+    # step of a length-4 request at 2 tokens a step)
+    assert pooled_median_step_ms([a, a2], 0, new_prompt=False) == pytest.approx(1500.0)
 
 
 def test_ratio_summary():

@@ -10,9 +10,10 @@ Each engine keeps `concurrency` requests in flight from the same seeded stream
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaflash_vllm.bench.paired import mean_ci
@@ -109,49 +110,100 @@ class Stream:
         return int(request_id[len(self.name) + 1 :].split("-")[0])
 
     def tok_s(self, skip: int = 0) -> float:
-        steps = self.steps[skip:]
-        return sum(s.tokens for s in steps) / sum(s.seconds for s in steps)
+        return pooled_tok_s(self, skip)
 
     def median_step_ms(self, skip: int, new_prompt: bool) -> float | None:
         """Median time of the steps (after `skip`) at the full batch that did or
         did not run a new prompt."""
-        times = [
-            s.seconds
-            for s in self.steps[skip:]
-            if s.batch == self.concurrency and s.new_prompt == new_prompt
-        ]
-        return 1e3 * statistics.median(times) if times else None
+        return pooled_median_step_ms(self, skip, new_prompt)
 
 
-def step_in_turn(streams: list[Stream], steps: int, progress=None) -> None:
-    """`steps` steps of every stream, one stream at a time, the order reversing
-    every step (no engine always steps right after the same other one)."""
+def step_in_turn(
+    streams: list[Stream], steps: int, progress=None, order: str = "shuffle"
+) -> None:
+    """`steps` steps of every stream, one stream at a time. `order`: "shuffle",
+    a new seeded random order every step (every engine as likely to step right
+    after itself, or after any other); "reverse", the order reversing every
+    step (with three or more engines the first and last in the list step twice
+    in a row every other step, the ones between never do)."""
+    if order not in ("shuffle", "reverse"):
+        raise ValueError(f"order must be 'shuffle' or 'reverse', got {order!r}")
+    rng = random.Random(0)
     for s in streams:
         s.fill()
     for i in progress(range(steps)) if progress is not None else range(steps):
-        for s in streams if i % 2 == 0 else reversed(streams):
+        if order == "shuffle":
+            turn = rng.sample(streams, len(streams))
+        else:
+            turn = streams if i % 2 == 0 else streams[::-1]
+        for s in turn:
             s.step()
 
 
-def block_ratios(num: Stream, den: Stream, skip: int, block: int) -> list[float]:
+Streams = Stream | Sequence[Stream]  # one engine, or twins of one configuration
+
+
+def _twins(x: Streams) -> list[Stream]:
+    return [x] if isinstance(x, Stream) else list(x)
+
+
+def _rate(streams: list[Stream], start: int, block: int) -> float:
+    steps = [st for s in streams for st in s.steps[start : start + block]]
+    return sum(st.tokens for st in steps) / sum(st.seconds for st in steps)
+
+
+def block_ratios(num: Streams, den: Streams, skip: int, block: int) -> list[float]:
     """tok/s of `num` over `den` per block of `block` steps after the first
-    `skip` (the same steps in turn, so the same stretch of wall time)."""
-    a, b = num.steps[skip:], den.steps[skip:]
-    out = []
-    for i in range(0, min(len(a), len(b)) - block + 1, block):
-        ta, tb = a[i : i + block], b[i : i + block]
-        rate_a = sum(s.tokens for s in ta) / sum(s.seconds for s in ta)
-        rate_b = sum(s.tokens for s in tb) / sum(s.seconds for s in tb)
-        out.append(rate_a / rate_b)
-    return out
+    `skip` (the same steps in turn, so the same stretch of wall time). Twins of
+    a configuration (engines built at mirrored places) pool their tokens and
+    seconds per block."""
+    nums, dens = _twins(num), _twins(den)
+    n = min(len(s.steps) for s in nums + dens) - skip
+    return [
+        _rate(nums, skip + i, block) / _rate(dens, skip + i, block)
+        for i in range(0, n - block + 1, block)
+    ]
 
 
-def request_ratios(num: Stream, den: Stream) -> list[float]:
-    """At one request: each request both finished (but the first, which ran
-    while the engines warmed up), its time in `den` over its time in `num`: a
-    tok/s ratio on the same prompt and tokens (greedy)."""
-    common = sorted(set(num.per_request) & set(den.per_request))[1:]
-    return [den.per_request[i] / num.per_request[i] for i in common]
+def request_ratios(num: Streams, den: Streams) -> list[float]:
+    """At one request: each request every engine finished (but the first, which
+    ran while the engines warmed up), its time in `den` over its time in `num`
+    (twins: their mean time): a tok/s ratio on the same prompt and tokens
+    (greedy)."""
+    nums, dens = _twins(num), _twins(den)
+    common = sorted(set.intersection(*(set(s.per_request) for s in nums + dens)))
+    return [
+        statistics.fmean(d.per_request[i] for d in dens)
+        / statistics.fmean(n.per_request[i] for n in nums)
+        for i in common[1:]
+    ]
+
+
+def pooled_tok_s(streams: Streams, skip: int = 0) -> float:
+    """Output tok/s over every step after `skip` of one engine or its twins."""
+    steps = [st for s in _twins(streams) for st in s.steps[skip:]]
+    return sum(st.tokens for st in steps) / sum(st.seconds for st in steps)
+
+
+def pooled_median_step_ms(
+    streams: Streams, skip: int, new_prompt: bool
+) -> float | None:
+    """`Stream.median_step_ms` over one engine's or its twins' steps."""
+    times = [
+        st.seconds
+        for s in _twins(streams)
+        for st in s.steps[skip:]
+        if st.batch == s.concurrency and st.new_prompt == new_prompt
+    ]
+    return 1e3 * statistics.median(times) if times else None
+
+
+def twin_build_order(configs: Sequence[str]) -> list[str]:
+    """Each configuration built twice, the second time in reverse order
+    (`A B C C' B' A'`): engines built later in a process step a little faster,
+    and over mirrored places that cancels for every configuration alike. The
+    twin of `c` is named `c#2`."""
+    return list(configs) + [f"{c}#2" for c in reversed(configs)]
 
 
 def ratio_summary(ratios: list[float], unit: str) -> dict[str, float]:
