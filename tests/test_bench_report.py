@@ -158,6 +158,7 @@ def test_online_history_and_training_table(tmp_path):
             "rkl": 0.5,
             "clip_fraction": 0.01,
             "stale_skipped": 10 * v,
+            "head_served_mae": 0.1 / v,
         }
         (d / "manifest.json").write_text(json.dumps({"version": v, "metrics": metrics}))
         if v != 2:  # v2 never finished writing its weights
@@ -170,7 +171,15 @@ def test_online_history_and_training_table(tmp_path):
     lines = training_table([{"config": {"name": "online"}, "online_versions": hist}])
     assert lines[3].startswith("| online | 1 | - | 10 |") and "| 2.000 |" in lines[3]
     assert "1.00%" in lines[3] and lines[4].endswith("| rolled back: test |")
+    assert "| 0.100 |" in lines[3] and "| 0.033 |" in lines[4]  # head MAE
     assert training_table([{"config": {"name": "plain"}}]) == []
+    from adaflash_vllm.bench.report import plot_training
+
+    png = plot_training(
+        [{"config": {"name": "online"}, "online_versions": hist}],
+        tmp_path / "training.png",
+    )
+    assert png.stat().st_size > 0
 
 
 def test_gate_extra_is_the_windows_skipped_share():

@@ -201,6 +201,10 @@ def test_online_round_trains_a_head_with_history(tiny, tiny_head_drafter, tmp_pa
         assert head.history
         metrics = trainer.train_round(trajectories)
         assert metrics.head_mse > 0
+        # every block is a logged round (no random anchors), each scored
+        # before the round's one optimizer step: a real error of a fresh head
+        assert metrics.head_served_mae is not None
+        assert 0 < metrics.head_served_mae < 1
         grad = head.proj.weight.grad
         assert grad is not None and grad[:, -3:].abs().sum() > 0  # history columns
     finally:

@@ -27,6 +27,7 @@ from adaflash_vllm.training.features import TargetModel
 from adaflash_vllm.training.head import (
     budget_recall,
     evaluate_length_head,
+    head_loss,
     median_ratio,
     survival_nll,
     train_length_head,
@@ -269,3 +270,27 @@ def test_calibration_scores_the_median_under_absolute_error():
     assert cal["mae_constant"] == pytest.approx(0.2)
     assert cal["mae_constant_mean"] == pytest.approx(0.32)
     assert calibration(mean, real)["mae"] == pytest.approx(0.32)  # no median given
+
+
+def test_head_loss_scores_the_median_forecast_on_the_blocks_asked_for():
+    """The absolute error head_loss reports (the online trainer's served MAE)
+    is the median forecast's against the accepted fraction, over the valid
+    blocks of `scored` only."""
+    torch.manual_seed(0)
+    head = LengthHead(8, 4, num_drafts=K)
+    hidden, confidence = torch.randn(2, 3, K, 8), torch.randn(2, 3, K, 3)
+    accepted = torch.tensor([[0, 3, 1], [2, 0, 3]])
+    valid = torch.tensor([[3, 3, 3], [3, 2, 3]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # [0, 2] invalid
+    scored = torch.tensor([[True, False, True], [True, True, False]])
+    out = head_loss(head, hidden, confidence, accepted, valid, mask, scored=scored)
+    with torch.no_grad():
+        s = torch.sigmoid(head.logits(hidden, confidence)).cumprod(-1)
+    err = (median_ratio(s, valid) - accepted / valid).abs()
+    assert out.scored == 3  # [0, 0], [1, 0], [1, 1]
+    assert out.abs_error == pytest.approx(float(err[0, 0] + err[1, 0] + err[1, 1]))
+    everything = head_loss(head, hidden, confidence, accepted, valid, mask)
+    assert everything.scored == 5
+    assert everything.abs_error == pytest.approx(float((err * mask).sum()))
+    out.loss.backward()
+    assert all(p.grad is not None for p in head.parameters())

@@ -28,6 +28,8 @@ Shape symbols: B sequences, M anchors, K drafts per block, H hidden, V vocabular
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from adaflash_vllm.proposers.budget import geometric_survival
@@ -108,6 +110,15 @@ def median_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Ten
     return m.float() / valid_slots.float().clamp_min(1)
 
 
+class HeadLoss(NamedTuple):
+    loss: torch.Tensor  # the training loss over the valid blocks
+    mse: float  # of the predicted mean ratio, for logs
+    # absolute error of the point forecast (a survival head's median, a ratio
+    # head's mean) summed over the blocks of `scored`, and how many there were
+    abs_error: float
+    scored: int
+
+
 def head_loss(
     head: LengthHead,
     hidden: torch.Tensor,  # [B, M, K, H] drafter outputs at the masks
@@ -116,9 +127,11 @@ def head_loss(
     valid_slots: torch.Tensor,  # [B, M]
     mask: torch.Tensor,  # [B, M] 1.0 for blocks that count
     history: torch.Tensor | None = None,  # [B, M, 3] round_history, or none
-) -> tuple[torch.Tensor, float]:
-    """(training loss over valid blocks, MSE of the predicted ratio for logs).
-    Inputs are detached here: the head never trains the drafter."""
+    scored: torch.Tensor | None = None,  # [B, M] bool: blocks the MAE scores
+) -> HeadLoss:
+    """The head's training loss over valid blocks, its MSE, and its absolute
+    error on the valid blocks of `scored` (default: all). Inputs are detached
+    here: the head never trains the drafter."""
     hidden, confidence = hidden.detach(), confidence.detach()
     ratio = acceptance_labels(accepted, valid_slots)
     denom = mask.sum().clamp_min(1)
@@ -126,12 +139,17 @@ def head_loss(
         cond = head.logits(hidden, confidence, history)
         loss = (survival_nll(cond, accepted, valid_slots) * mask).sum() / denom
         with torch.no_grad():
-            pred = _survival_ratio(torch.sigmoid(cond).cumprod(-1), valid_slots)
+            survival = torch.sigmoid(cond).cumprod(-1)
+            pred = _survival_ratio(survival, valid_slots)
+            point = median_ratio(survival, valid_slots)
     else:
         pred = head.ratio(hidden)
         loss = ((pred - ratio) ** 2 * mask).sum() / denom
+        point = pred.detach()
     mse = float((((pred.detach() - ratio) ** 2) * mask).sum() / denom)
-    return loss, mse
+    keep = mask > 0 if scored is None else (mask > 0) & scored
+    abs_error = float((point - ratio).abs()[keep].sum())
+    return HeadLoss(loss, mse, abs_error, int(keep.sum()))
 
 
 def _blocks(drafter, target, seqs, num_drafts, num_anchors, generator):

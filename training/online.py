@@ -76,6 +76,11 @@ class RoundMetrics:
     seconds: float
     tokens_per_s: float
     head_mse: float  # length head's MSE on realised acceptance (0: no head)
+    # Length head's MAE (median forecast of the accepted fraction of K, labels
+    # from the recomputed target) on this round's logged rounds, each scored in
+    # the first epoch before any optimizer step trained on its sequence: its
+    # calibration on traffic it had not seen (None: no head or no logged round)
+    head_served_mae: float | None = None
     stale_skipped: int = 0  # trajectories passed over for newer ones, so far
 
 
@@ -360,6 +365,11 @@ class OnlineTrainer:
             seconds=seconds,
             tokens_per_s=tokens / seconds,
             head_mse=sums["head_mse"] / max(1, steps * self.world),
+            head_served_mae=(
+                sums["head_abs_error"] / sums["head_scored"]
+                if sums.get("head_scored")
+                else None
+            ),
             stale_skipped=self.stale_skipped,
         )
         if self.is_main:
@@ -434,7 +444,8 @@ class OnlineTrainer:
         # averages gradients over ranks, hence the factor `world`.
         global_w = self._all_reduce([float(out.weight_sum)])[0]
         loss = out.loss_sum * (self.world / max(global_w, 1e-12))
-        head_mse = 0.0
+        head_mse = head_abs_error = 0.0
+        head_scored = 0
         if self.drafter.length_head is not None:
             # Labels over the whole block of K, from the recomputed target.
             with torch.no_grad():
@@ -442,7 +453,7 @@ class OnlineTrainer:
                 confidence = draft_confidence(logits)
             mask = (batch.anchor_valid & label_valid.any(-1)).float()
             head = self.drafter.length_head
-            h_loss, head_mse = head_loss(
+            h = head_loss(
                 head,
                 hidden,
                 confidence,
@@ -454,8 +465,12 @@ class OnlineTrainer:
                     if head.history
                     else None
                 ),
+                scored=_served_blocks(batch.anchors, forced),
             )
-            loss = loss + h_loss
+            loss, head_mse = loss + h.loss, h.mse
+            if measure_accept:
+                # first epoch: each sequence scored before any step trained on it
+                head_abs_error, head_scored = h.abs_error, h.scored
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # Per group: the head's loss (a likelihood, detached inputs) must not
@@ -483,6 +498,8 @@ class OnlineTrainer:
             "acc": acc,
             "blocks": blocks,
             "head_mse": head_mse,
+            "head_abs_error": head_abs_error,
+            "head_scored": head_scored,
         }
 
     @torch.no_grad()
@@ -583,6 +600,14 @@ def _forced_history(
     ]
     pairs = torch.tensor(prev, dtype=torch.long).view(*anchors.shape, 2)
     return round_history(pairs[..., 0], pairs[..., 1], num_drafts).to(anchors.device)
+
+
+def _served_blocks(
+    anchors: torch.Tensor, forced: list[dict[int, tuple[int, int]]]
+) -> torch.Tensor:
+    """[B, M] bool: the blocks at logged rounds (not the random anchors)."""
+    rows = [[a in forced[b] for a in row] for b, row in enumerate(anchors.tolist())]
+    return torch.tensor(rows, dtype=torch.bool, device=anchors.device)
 
 
 def _to(batch, device: torch.device):

@@ -233,8 +233,9 @@ def training_table(results: list[dict]) -> list[str]:
     lines = [
         "",
         "| config | version | trajectories | older passed over | loss | CE | rKL | "
-        "clipped entries | accept before -> after | train s | engine verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "clipped entries | accept before -> after | head MAE, unseen rounds | "
+        "train s | engine verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, h in rows:
         m = h["metrics"]
@@ -246,6 +247,7 @@ def training_table(results: list[dict]) -> list[str]:
             f"{_fmt(m.get('rkl'), '', 3)} | "
             f"{_fmt(clip, '%')} | "
             f"{_fmt(m.get('accept_before'))} -> {_fmt(m.get('accept_after'))} | "
+            f"{_fmt(m.get('head_served_mae'), '', 3)} | "
             f"{_fmt(m.get('seconds'), '', 0)} | {h.get('rejected') or 'kept'} |"
         )
     return lines
@@ -434,15 +436,24 @@ def plot_acceptance(results: list[dict], path: Path) -> Path:
 
 def plot_training(results: list[dict], path: Path) -> Path:
     """Online trainer, per published version: OPD loss, its CE and clipped
-    reverse-KL parts, the clip fraction, and greedy acceptance on the round's
+    reverse-KL parts, the clip fraction, greedy acceptance on the round's
     trajectories before and after training (x marks versions the engine rolled
-    back or refused)."""
+    back or refused) and, with a length head, its MAE on the round's logged
+    rounds before training on them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    heads = any(
+        h["metrics"].get("head_served_mae") is not None
+        for r in results
+        for h in r.get("online_versions") or []
+    )
+    fig, axes = plt.subplots(
+        3 if heads else 2, 1, figsize=(9, 9 if heads else 6.5), sharex=True
+    )
+    ax_loss, ax_acc = axes[0], axes[1]
     ax_clip = ax_loss.twinx()
     for r in results:
         hist = r.get("online_versions") or []
@@ -474,10 +485,18 @@ def plot_training(results: list[dict], path: Path) -> Path:
             ms=9,
             label=f"{name}: rolled back / refused",
         )
+        if heads:
+            axes[2].plot(
+                v, [x.get("head_served_mae") for x in m], "o-", label=f"{name}"
+            )
+    if heads:
+        axes[2].axhline(0.05, color="grey", ls=":", label="target 0.05")
+        axes[2].set_ylabel("length head MAE\n(unseen logged rounds)")
+        axes[2].legend(fontsize=7, loc="best")
     ax_loss.set_ylabel("loss (per weighted position)")
     ax_clip.set_ylabel("clipped reverse-KL entries (%)")
     ax_acc.set_ylabel("accepted drafts per block")
-    ax_acc.set_xlabel("published drafter version")
+    axes[-1].set_xlabel("published drafter version")
     ax_loss.set_title("Online distillation: loss, clip fraction and acceptance")
     lines = ax_loss.get_legend_handles_labels()
     extra = ax_clip.get_legend_handles_labels()
