@@ -53,6 +53,8 @@ _ADAFLASH_VARIANTS = {
     "fullblock": {"adaptive_block": False},  # the drafter's full block always
     "explored": {},  # checks of skipping explore it (before run 23)
     "nohist": {},  # the length head never reads the previous round
+    "slow01": {},  # long-run rate over ~100 one-request rounds at every B
+    "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
@@ -62,6 +64,9 @@ _GATE_SETTINGS = {
     "dipchecks": {"decisive_max_interval": 128, "shift_slow_margin": float("inf")},
     # skipping's rate never predicted: every check of it skips steps
     "explored": {"skip_remeasure_steps": 0},
+    "slow01": {"slow_ema_per_request": 0.01, "slow_ema_one_request": 0.01},
+    # the long-run rate at one request as before run 25 (25 rounds)
+    "slow04": {"slow_ema_one_request": 0.04},
 }
 
 

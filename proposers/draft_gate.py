@@ -94,8 +94,14 @@ class DraftGate:
     switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
     skip_interval_per_request: int = 16  # while skipping, explore at most this x B
     # drafting's long-run rate: EMA weight per request in a round (at B requests
-    # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter)
+    # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter) ...
     slow_ema_per_request: float = 0.04
+    # ... and at one request, where a round's rate is one answer's text: ~100
+    # rounds. Over ~25 (0.04) the runs of rejected rounds in prose the drafter
+    # serves well switched the gate 7-22 times per 6,000 steps and cost 1.6%
+    # (BENCHMARKS.md run 25); a hard stretch now needs ~100 rounds to switch.
+    # At four requests 0.01 per request (25 steps) cost 5% against 0.04.
+    slow_ema_one_request: float = 0.01
     drafting: bool = True  # the mode being followed
     interval: int = 8
     step: int = 0
@@ -160,7 +166,11 @@ class DraftGate:
         if not 3 * self.slow_batch <= 4 * num_reqs <= 5 * self.slow_batch:
             # The batch moved by more than a quarter: rates are not comparable.
             # A round of B requests weighs as B one-request rounds would.
-            w = 1.0 - (1.0 - self.slow_ema_per_request) ** max(num_reqs, 1)
+            w = (
+                self.slow_ema_one_request
+                if num_reqs <= 1
+                else 1.0 - (1.0 - self.slow_ema_per_request) ** num_reqs
+            )
             self.draft_rate_slow = RatioEMA(min(w, self.ema))
             self.slow_batch = num_reqs
         if self.step < self.exploring_until:

@@ -399,19 +399,42 @@ def _choice(gain: float, round_ms: float = 20.0) -> dict:
 
 def test_budget_use_stops_choosing_where_it_costs_more_than_it_gains():
     """Per batch bucket: while the predicted gain (1%) is below the choice's own
-    time (0.8 ms of a 20 ms round: 4%), only every 16th step chooses; where the
-    gain is larger (10%, e.g. under load) every step does."""
-    use = BudgetUse(check_every=16)
+    time (0.8 ms of a 20 ms round: 4%), steps choose only at checks, each check
+    that confirms it doubling the wait (32, 64, ... up to 256 steps); where the
+    gain is larger (10%, e.g. under load) every step chooses."""
+    use = BudgetUse(check_every=16, max_check_every=256)
     assert use.active(1)  # nothing measured yet: choose
     use.record(1, _choice(0.01), choose_ms=0.8)
-    low = [use.active(1) for _ in range(64)]
-    assert low.count(True) == 64 // 17 and not any(low[:16]) and low[16]
+    gaps, waited = [], 0
+    for _ in range(1500):
+        if use.active(1):
+            gaps.append(waited)
+            waited = 0
+            use.record(1, _choice(0.01), choose_ms=0.8)
+        else:
+            waited += 1
+    assert gaps[:5] == [32, 64, 128, 256, 256]
     assert use.active(32)  # another bucket: measured apart
     use.record(32, _choice(0.10), choose_ms=0.8)
     assert all(use.active(32) for _ in range(64))
     state = use.to_dict()
     assert state["buckets"]["1"]["gain"] == pytest.approx(0.01)
     assert state["buckets"]["1"]["overhead"] == pytest.approx(0.04)
+    assert state["buckets"]["1"]["every"] == 256
+    assert state["buckets"]["32"]["every"] == 16
+
+
+def test_budget_use_checks_closely_again_after_a_choice_that_paid():
+    """A check whose own gain beats the overhead (the text turned easy, the batch
+    grew within the bucket) brings the wait back to `check_every` even while the
+    gain's EMA is still below the overhead."""
+    use = BudgetUse(check_every=16, max_check_every=256)
+    for _ in range(6):
+        use.record(1, _choice(0.0), choose_ms=1.0)
+    assert use.to_dict()["buckets"]["1"]["every"] == 256
+    use.record(1, _choice(0.2), choose_ms=1.0)  # EMA 0.02 < 0.05, this one 0.2
+    assert use.to_dict()["buckets"]["1"]["gain"] < 0.05
+    assert use.to_dict()["buckets"]["1"]["every"] == 16
 
 
 def test_budget_use_follows_a_gain_that_grows():
