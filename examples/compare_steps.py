@@ -21,11 +21,11 @@ Run (about 5 minutes on 2 cores for 1,500 steps of three engines at 32):
     taskset -c 0 python examples/compare_steps.py --concurrency 1 --steps 3000 \
         --configs dflash,adaflash
 
-Engines built later in the process step a little faster (about 0.5% per
-position in A/A runs), so they are built in the order of `--configs`, plain last,
-after a spare AdaFlash engine that is never stepped; compare two configurations
-in both orders (`--configs dflash:5,adaflash` and `--configs adaflash,dflash:5`)
-to bracket the effect.
+Engines built later in the process step a little faster (0.4-1% per place in
+A/A runs, BENCHMARKS.md run 25): `--twins` builds every configuration twice at
+mirrored places and pools each pair, which cancels that. Without it the engines
+are built in the order of `--configs`, plain last, after a spare AdaFlash engine
+that is never stepped.
 
 A `dflash` engine here runs vLLM's DFlash code through the runner as AdaFlash's
 worker patches leave it (this process has them once an AdaFlash engine starts),
@@ -168,8 +168,8 @@ def main() -> None:
     )
 
     # Build order. Engines built later in this process run their steps a little
-    # faster (A/A runs of three identical DFlash engines: 0.03-0.08 ms per
-    # position at ~8 ms a step, whatever the stepping order; BENCHMARKS.md run
+    # faster (A/A runs of three identical DFlash engines: 0.03-0.10 ms per
+    # place at ~8 ms a step, whatever the stepping order; BENCHMARKS.md run
     # 25). `--twins` builds every configuration twice at mirrored places and
     # pools each pair; otherwise the order is `--configs` as given, plain last.
     # The spare AdaFlash engine built first applies AdaFlash's worker patches
@@ -270,7 +270,8 @@ def main() -> None:
             )
     for name, llm in built.items():
         if name.startswith("adaflash"):
-            gate = llm.collective_rpc("adaflash_budget_state")[0]["draft_gate"] or {}
+            state = llm.collective_rpc("adaflash_budget_state")[0]
+            gate = state["draft_gate"] or {}
             buckets = {
                 b: {
                     k: g[k]
@@ -284,7 +285,6 @@ def main() -> None:
                 }
                 for b, g in (gate.get("buckets") or {}).items()
             }
-            state = llm.collective_rpc("adaflash_budget_state")[0]
             block = state.get("block_length") or {}
             summary.setdefault("adaflash_state", {})[name] = {
                 "drafted_steps": gate.get("drafted_steps"),

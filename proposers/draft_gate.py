@@ -98,7 +98,7 @@ class DraftGate:
     slow_ema_per_request: float = 0.04
     # ... and at one request, where a round's rate is one answer's text: ~100
     # rounds. Over ~25 (0.04) the runs of rejected rounds in prose the drafter
-    # serves well switched the gate 7-22 times per 6,000 steps and cost 1.6%
+    # serves well switched the gate 7-22 times per 6,000 steps and cost 1.1-2.4%
     # (BENCHMARKS.md run 25); a hard stretch now needs ~100 rounds to switch.
     # At four requests 0.01 per request (25 steps) cost 5% against 0.04.
     slow_ema_one_request: float = 0.01

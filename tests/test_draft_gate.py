@@ -295,7 +295,7 @@ def test_skipping_checks_drafting_often_when_few_requests():
     request) falls below skipping's, ~160 rounds in, so here it about breaks
     even with never skipping (0.985); with a 25-round long-run rate it gained
     15%, but on served prose at one request that rate switched on runs of
-    rejected rounds and cost 1.6% (BENCHMARKS.md run 25). Answers here are at
+    rejected rounds and cost 1.1-2.4% (BENCHMARKS.md run 25). Answers here are at
     most ~80 rounds long."""
     capped = _stretches(DraftGate(), 4000, 60, 300)
     uncapped = _stretches(DraftGate(skip_interval_per_request=10**6), 4000, 60, 300)
