@@ -159,6 +159,8 @@ def test_online_history_and_training_table(tmp_path):
             "clip_fraction": 0.01,
             "stale_skipped": 10 * v,
             "head_served_mae": 0.1 / v,
+            "head_served_ece": 0.02,
+            "head_served_mae_constant": None if v == 1 else 0.2,
         }
         (d / "manifest.json").write_text(json.dumps({"version": v, "metrics": metrics}))
         if v != 2:  # v2 never finished writing its weights
@@ -171,7 +173,8 @@ def test_online_history_and_training_table(tmp_path):
     lines = training_table([{"config": {"name": "online"}, "online_versions": hist}])
     assert lines[3].startswith("| online | 1 | - | 10 |") and "| 2.000 |" in lines[3]
     assert "1.00%" in lines[3] and lines[4].endswith("| rolled back: test |")
-    assert "| 0.100 |" in lines[3] and "| 0.033 |" in lines[4]  # head MAE
+    # head MAE (the last round's median as a forecast) and ECE
+    assert "| 0.100 | 0.020 |" in lines[3] and "| 0.033 (0.200) |" in lines[4]
     assert training_table([{"config": {"name": "plain"}}]) == []
     from adaflash_vllm.bench.report import plot_training
 

@@ -10,7 +10,12 @@ import torch
 from adaflash_vllm.proposers.length_head import LengthHead, round_history
 from adaflash_vllm.proposers.proposer import AdaFlashProposer, _Propose
 from adaflash_vllm.training.head import served_chains, survival_nll
-from adaflash_vllm.training.online import OnlineTrainer, _forced_history
+from adaflash_vllm.training.online import (
+    OnlineTrainer,
+    _forced_history,
+    served_calibration,
+    served_calibration_sums,
+)
 
 from adaflash_vllm.buffer import Trajectory
 
@@ -205,7 +210,38 @@ def test_online_round_trains_a_head_with_history(tiny, tiny_head_drafter, tmp_pa
         # before the round's one optimizer step: a real error of a fresh head
         assert metrics.head_served_mae is not None
         assert 0 < metrics.head_served_mae < 1
+        assert 0 <= metrics.head_served_ece <= 1
+        assert metrics.head_served_mae_constant is None  # no round before
+        again = trainer.train_round(trajectories)  # the last median: constant
+        assert again.head_served_mae_constant is not None
+        assert 0 <= again.head_served_mae_constant <= 1
         grad = head.proj.weight.grad
         assert grad is not None and grad[:, -3:].abs().sum() > 0  # history columns
     finally:
         trainer.close()
+
+
+def test_served_calibration_sums_give_ece_and_the_next_constant():
+    """The online trainer's calibration on logged rounds, from sums that add up
+    over steps and ranks: ECE of the predicted mean over 10 bins, the MAE of
+    the previous round's realised median as a constant forecast, and this
+    round's realised median for the next."""
+    mean = torch.tensor([0.05, 0.15, 0.95])
+    real = torch.tensor([0.0, 0.2, 1.0])
+    first = served_calibration_sums(mean[:2], real[:2], None)
+    second = served_calibration_sums(mean[2:], real[2:], None)
+    assert set(first) == set(second)  # the same keys on every step and rank
+    sums = {k: first[k] + second[k] for k in first}
+    sums.update(head_abs_error=0.3, head_scored=3.0)
+    out, median = served_calibration(sums, None)
+    assert out["head_served_mae"] == pytest.approx(0.1)
+    assert out["head_served_ece"] == pytest.approx((0.05 + 0.05 + 0.05) / 3)
+    assert out["head_served_mae_constant"] is None  # no round before
+    assert median == pytest.approx(0.2)
+    scored = served_calibration_sums(mean, real, 0.2)
+    assert scored["const_abs_error"] == pytest.approx(0.2 + 0.0 + 0.8)
+    sums = {**scored, "head_abs_error": 0.3, "head_scored": 3.0}
+    out, median = served_calibration(sums, 0.2)
+    assert out["head_served_mae_constant"] == pytest.approx(1.0 / 3)
+    # a round that scored nothing keeps the last median and reports nothing
+    assert served_calibration({"head_scored": 0.0}, 0.2) == ({}, 0.2)

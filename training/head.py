@@ -117,6 +117,9 @@ class HeadLoss(NamedTuple):
     # head's mean) summed over the blocks of `scored`, and how many there were
     abs_error: float
     scored: int
+    # the scored blocks' predicted mean and realised accepted fraction [N]
+    scored_mean: torch.Tensor
+    scored_real: torch.Tensor
 
 
 def head_loss(
@@ -149,7 +152,14 @@ def head_loss(
     mse = float((((pred.detach() - ratio) ** 2) * mask).sum() / denom)
     keep = mask > 0 if scored is None else (mask > 0) & scored
     abs_error = float((point - ratio).abs()[keep].sum())
-    return HeadLoss(loss, mse, abs_error, int(keep.sum()))
+    return HeadLoss(
+        loss,
+        mse,
+        abs_error,
+        int(keep.sum()),
+        pred.detach()[keep].float().cpu(),
+        ratio[keep].float().cpu(),
+    )
 
 
 def _blocks(drafter, target, seqs, num_drafts, num_anchors, generator):

@@ -81,6 +81,11 @@ class RoundMetrics:
     # the first epoch before any optimizer step trained on its sequence: its
     # calibration on traffic it had not seen (None: no head or no logged round)
     head_served_mae: float | None = None
+    # on the same blocks: the expected calibration error of the predicted mean
+    # (10 bins), and the MAE of a constant forecast, the previous round's
+    # realised median (None on the first round): what the head's MAE is worth
+    head_served_ece: float | None = None
+    head_served_mae_constant: float | None = None
     stale_skipped: int = 0  # trajectories passed over for newer ones, so far
 
 
@@ -139,6 +144,9 @@ class OnlineTrainer:
         self._restore_optimizer()
         self.pending: list[Trajectory] = []
         self.stale_skipped = 0  # trajectories passed over for newer ones
+        # the last round's realised median on its logged rounds: the constant
+        # forecast the head's served MAE is set against
+        self._last_served_median: float | None = None
         self.session = uuid.uuid4().hex[:12]
         self.push_server = None
         self.status = "idle"
@@ -351,6 +359,9 @@ class OnlineTrainer:
         sums = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
         tokens = int(self._all_reduce([float(tokens)])[0])
         accept_after = self.measure_accept(seqs, forced)
+        served, self._last_served_median = served_calibration(
+            sums, self._last_served_median
+        )
         seconds = time.perf_counter() - t0
         metrics = RoundMetrics(
             trajectories=len(trajectories),
@@ -365,11 +376,7 @@ class OnlineTrainer:
             seconds=seconds,
             tokens_per_s=tokens / seconds,
             head_mse=sums["head_mse"] / max(1, steps * self.world),
-            head_served_mae=(
-                sums["head_abs_error"] / sums["head_scored"]
-                if sums.get("head_scored")
-                else None
-            ),
+            **served,
             stale_skipped=self.stale_skipped,
         )
         if self.is_main:
@@ -446,6 +453,7 @@ class OnlineTrainer:
         loss = out.loss_sum * (self.world / max(global_w, 1e-12))
         head_mse = head_abs_error = 0.0
         head_scored = 0
+        calibration_sums: dict[str, float] = {}
         if self.drafter.length_head is not None:
             # Labels over the whole block of K, from the recomputed target.
             with torch.no_grad():
@@ -471,6 +479,9 @@ class OnlineTrainer:
             if measure_accept:
                 # first epoch: each sequence scored before any step trained on it
                 head_abs_error, head_scored = h.abs_error, h.scored
+                calibration_sums = served_calibration_sums(
+                    h.scored_mean, h.scored_real, self._last_served_median
+                )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # Per group: the head's loss (a likelihood, detached inputs) must not
@@ -500,6 +511,7 @@ class OnlineTrainer:
             "head_mse": head_mse,
             "head_abs_error": head_abs_error,
             "head_scored": head_scored,
+            **calibration_sums,
         }
 
     @torch.no_grad()
@@ -600,6 +612,64 @@ def _forced_history(
     ]
     pairs = torch.tensor(prev, dtype=torch.long).view(*anchors.shape, 2)
     return round_history(pairs[..., 0], pairs[..., 1], num_drafts).to(anchors.device)
+
+
+# calibration sums of the served (logged-round) blocks: fixed keys on every rank
+# (they are all-reduced by name), ECE bins of the predicted mean and a histogram
+# of the realised fraction (its median: the next round's constant forecast)
+_ECE_BINS = 10
+_REAL_BINS = 101
+
+
+def served_calibration_sums(
+    mean: torch.Tensor, real: torch.Tensor, constant: float | None
+) -> dict[str, float]:
+    """Per-step sums for `served_calibration` from the scored blocks' predicted
+    mean and realised fraction [N], and the constant forecast to score (None: no
+    previous round). The same keys whatever the blocks: they add up over steps
+    and are all-reduced over ranks by name."""
+    out: dict[str, float] = {}
+    idx = (mean.clamp(0, 1 - 1e-6) * _ECE_BINS).long()
+    for b in range(_ECE_BINS):
+        sel = idx == b
+        out[f"ece_p{b}"] = float(mean[sel].sum())
+        out[f"ece_r{b}"] = float(real[sel].sum())
+    hist = torch.bincount(
+        (real.clamp(0, 1) * (_REAL_BINS - 1)).round().long(), minlength=_REAL_BINS
+    )
+    for b in range(_REAL_BINS):
+        out[f"real_h{b}"] = float(hist[b])
+    out["const_abs_error"] = (
+        float((real - constant).abs().sum()) if constant is not None else 0.0
+    )
+    return out
+
+
+def served_calibration(
+    sums: dict[str, float], last_median: float | None
+) -> tuple[dict[str, float | None], float | None]:
+    """A round's calibration on its logged rounds (RoundMetrics' head_served_*
+    fields) from its all-reduced step sums (`served_calibration_sums`), and the
+    median realised fraction, the next round's constant forecast (`last_median`
+    when the round scored nothing)."""
+    n = sums.get("head_scored", 0.0)
+    if not n or "ece_p0" not in sums:
+        return {}, last_median
+    ece = sum(abs(sums[f"ece_p{b}"] - sums[f"ece_r{b}"]) for b in range(_ECE_BINS))
+    counts = [sums[f"real_h{b}"] for b in range(_REAL_BINS)]
+    seen, median = 0.0, last_median
+    for b, c in enumerate(counts):
+        seen += c
+        if seen >= sum(counts) / 2:
+            median = b / (_REAL_BINS - 1)
+            break
+    return {
+        "head_served_mae": sums["head_abs_error"] / n,
+        "head_served_ece": ece / n,
+        "head_served_mae_constant": (
+            sums["const_abs_error"] / n if last_median is not None else None
+        ),
+    }, median
 
 
 def _served_blocks(

@@ -233,9 +233,9 @@ def training_table(results: list[dict]) -> list[str]:
     lines = [
         "",
         "| config | version | trajectories | older passed over | loss | CE | rKL | "
-        "clipped entries | accept before -> after | head MAE, unseen rounds | "
-        "train s | engine verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "clipped entries | accept before -> after | head MAE, unseen rounds "
+        "(last round's median) | head ECE | train s | engine verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, h in rows:
         m = h["metrics"]
@@ -247,7 +247,9 @@ def training_table(results: list[dict]) -> list[str]:
             f"{_fmt(m.get('rkl'), '', 3)} | "
             f"{_fmt(clip, '%')} | "
             f"{_fmt(m.get('accept_before'))} -> {_fmt(m.get('accept_after'))} | "
-            f"{_fmt(m.get('head_served_mae'), '', 3)} | "
+            f"{_fmt(m.get('head_served_mae'), '', 3)}"
+            f"{_paren(m.get('head_served_mae_constant'))} | "
+            f"{_fmt(m.get('head_served_ece'), '', 3)} | "
             f"{_fmt(m.get('seconds'), '', 0)} | {h.get('rejected') or 'kept'} |"
         )
     return lines
@@ -292,6 +294,10 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
 
 def _fmt(v: float | None, suffix: str = "", digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}{suffix}"
+
+
+def _paren(v: float | None) -> str:
+    return "" if v is None else f" ({v:.3f})"
 
 
 def plot_shift(results: list[dict], path: Path, title: str = "") -> Path:
@@ -487,7 +493,14 @@ def plot_training(results: list[dict], path: Path) -> Path:
         )
         if heads:
             axes[2].plot(
-                v, [x.get("head_served_mae") for x in m], "o-", label=f"{name}"
+                v, [x.get("head_served_mae") for x in m], "o-", label=f"{name}: head"
+            )
+            axes[2].plot(
+                v,
+                [x.get("head_served_mae_constant") for x in m],
+                "s--",
+                ms=3,
+                label=f"{name}: last round's median",
             )
     if heads:
         axes[2].axhline(0.05, color="grey", ls=":", label="target 0.05")
