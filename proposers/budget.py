@@ -290,9 +290,9 @@ class BudgetUse:
     choosing again after `check_every` steps to follow the batch and the text.
     Each check that finds choosing still not paying doubles that wait, up to
     `max_check_every`; one whose own gain beats the overhead brings it back to
-    `check_every`. (At one request on the CPU demo the gain stays near 0.1-0.5%
-    against an overhead of ~6% of the round: checks every 16 steps cost ~0.35%
-    of the throughput by themselves.)"""
+    `check_every`. (At one request on the CPU demo the predicted gain stays near
+    0.1-0.5% against an overhead of ~6% of the round: a check every 17 steps is
+    ~0.35% of the steps' time; BENCHMARKS.md run 25.)"""
 
     def __init__(
         self, ema: float = 0.1, check_every: int = 16, max_check_every: int = 256
