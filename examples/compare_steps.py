@@ -159,6 +159,7 @@ def main() -> None:
     from adaflash_vllm.bench.stepped import (
         Stream,
         block_ratios,
+        config_of,
         pooled_median_step_ms,
         pooled_tok_s,
         ratio_summary,
@@ -184,7 +185,7 @@ def main() -> None:
         first.sort(key=lambda c: not c.startswith(("adaflash", "no_draft")))
     if args.twins:
         first = twin_build_order(first)
-    built = {c: _build(c.removesuffix("#2"), args.concurrency) for c in first}
+    built = {c: _build(config_of(c), args.concurrency) for c in first}
     prompts = demo_prompts(built["plain"].get_tokenizer(), args.domain)
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in built.values():
@@ -214,9 +215,7 @@ def main() -> None:
         for name, s in streams.items():
             s.profile.dump_stats(os.path.join(args.profile, f"{name}.pstats"))
     # each configuration's engine, or its twins
-    groups = {
-        c: [s for n, s in streams.items() if n.removesuffix("#2") == c] for c in configs
-    }
+    groups = {c: [s for n, s in streams.items() if config_of(n) == c] for c in configs}
 
     skip = args.warmup_steps
     summary: dict = {

@@ -314,6 +314,20 @@ def acceptance_labels(
     return accepted.float() / valid_slots.float().clamp_min(1)
 
 
+def ece_bin_sums(
+    pred: torch.Tensor, real: torch.Tensor, bins: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per equal-width bin of the predicted mean: (sum of predictions, sum of
+    realised ratios) [bins]. ECE = sum_b |pred_b - real_b| / N; the sums add up
+    over batches and ranks."""
+    pred, real = pred.float().flatten(), real.float().flatten()
+    idx = (pred.clamp(0, 1 - 1e-6) * bins).long()
+    return (
+        torch.bincount(idx, weights=pred, minlength=bins),
+        torch.bincount(idx, weights=real, minlength=bins),
+    )
+
+
 def calibration(
     pred: torch.Tensor,
     real: torch.Tensor,
@@ -332,14 +346,8 @@ def calibration(
     pred, real = pred.float().flatten(), real.float().flatten()
     if pred.numel() == 0:
         return {"mae": float("nan"), "ece": float("nan"), "n": 0}
-    idx = (pred.clamp(0, 1 - 1e-6) * bins).long()
-    ece = 0.0
-    for b in range(bins):
-        sel = idx == b
-        if sel.any():
-            ece += sel.float().mean().item() * abs(
-                pred[sel].mean().item() - real[sel].mean().item()
-            )
+    pred_sums, real_sums = ece_bin_sums(pred, real, bins)
+    ece = (pred_sums - real_sums).abs().sum().item() / pred.numel()
     mae_mean = (pred - real).abs().mean().item()
     out = {
         "mae": mae_mean,

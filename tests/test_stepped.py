@@ -12,6 +12,7 @@ import pytest
 from adaflash_vllm.bench.stepped import (
     Stream,
     block_ratios,
+    config_of,
     pooled_median_step_ms,
     pooled_tok_s,
     ratio_summary,
@@ -165,6 +166,7 @@ def test_twins_are_built_at_mirrored_places_and_pooled():
         "b#2",
         "a#2",
     ]
+    assert config_of("plain#2") == "plain" == config_of("plain")
     # a emits 2 tokens a step, its twin 2 as well but at twice the time; b 1
     (a, a2, b), _ = _streams(
         1, [("a", 2, 1.0), ("a#2", 2, 2.0), ("b", 1, 1.0)], lengths=[4]

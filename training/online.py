@@ -29,7 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from adaflash_vllm.proposers.length_head import draft_confidence, round_history
+from adaflash_vllm.proposers.length_head import (
+    draft_confidence,
+    ece_bin_sums,
+    round_history,
+)
 from adaflash_vllm.training.blocks import (
     accepted_lengths,
     block_labels,
@@ -629,11 +633,10 @@ def served_calibration_sums(
     previous round). The same keys whatever the blocks: they add up over steps
     and are all-reduced over ranks by name."""
     out: dict[str, float] = {}
-    idx = (mean.clamp(0, 1 - 1e-6) * _ECE_BINS).long()
+    pred_sums, real_sums = ece_bin_sums(mean, real, _ECE_BINS)
     for b in range(_ECE_BINS):
-        sel = idx == b
-        out[f"ece_p{b}"] = float(mean[sel].sum())
-        out[f"ece_r{b}"] = float(real[sel].sum())
+        out[f"ece_p{b}"] = float(pred_sums[b])
+        out[f"ece_r{b}"] = float(real_sums[b])
     hist = torch.bincount(
         (real.clamp(0, 1) * (_REAL_BINS - 1)).round().long(), minlength=_REAL_BINS
     )
@@ -657,10 +660,10 @@ def served_calibration(
         return {}, last_median
     ece = sum(abs(sums[f"ece_p{b}"] - sums[f"ece_r{b}"]) for b in range(_ECE_BINS))
     counts = [sums[f"real_h{b}"] for b in range(_REAL_BINS)]
-    seen, median = 0.0, last_median
+    half, seen, median = sum(counts) / 2, 0.0, last_median
     for b, c in enumerate(counts):
         seen += c
-        if seen >= sum(counts) / 2:
+        if seen >= half:
             median = b / (_REAL_BINS - 1)
             break
     return {

@@ -203,7 +203,15 @@ def twin_build_order(configs: Sequence[str]) -> list[str]:
     (`A B C C' B' A'`): engines built later in a process step a little faster,
     and over mirrored places that cancels for every configuration alike. The
     twin of `c` is named `c#2`."""
-    return list(configs) + [f"{c}#2" for c in reversed(configs)]
+    return list(configs) + [f"{c}{_TWIN}" for c in reversed(configs)]
+
+
+_TWIN = "#2"
+
+
+def config_of(engine: str) -> str:
+    """The configuration an engine of `twin_build_order` runs."""
+    return engine.removesuffix(_TWIN)
 
 
 def ratio_summary(ratios: list[float], unit: str) -> dict[str, float]:
