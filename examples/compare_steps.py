@@ -69,7 +69,7 @@ _NO_DRAFT_VARIANTS = {
 
 
 # what the summary keeps of each batch-size bucket's block length
-_BLOCK_KEYS = ("length", "trials", "switches", "extended")
+_BLOCK_KEYS = ("length", "trials", "switches", "undecided", "extended")
 
 
 def _compared(name: str, base: str) -> bool:

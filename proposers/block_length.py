@@ -26,9 +26,20 @@ batch-size bucket (`draft_gate.batch_bucket`) by
   drafter, then verification) at L. A round's time moves with the machine
   (tens of percent within a minute on this VM) by more than L changes it, so
   lengths are compared in *trials*: L* and one other length L' take turns, step
-  by step, for `trial_rounds` clean rounds each (the last step's requests, after
-  a drafting step: no prompt's context and no skipped steps' backlog), and their
-  median round times are compared.
+  by step, on clean rounds (the last step's requests, after a drafting step: no
+  prompt's context and no skipped steps' backlog). Each L' round and the L*
+  round just before it make a pair, and the trial estimates L' over L* as
+
+      gain = ln((1 + S_1 + ... + S_L') / (1 + S_1 + ... + S_L*)) - mean ln(t' / t*)
+
+  with the standard error of the pairs' mean (outlying pairs clipped). The S_j
+  are precise (every verified round adds to them); the round times are the
+  noise. After `trial_rounds` pairs, and every `trial_rounds // 2` more, the
+  trial adopts L' if gain exceeds `z` standard errors, keeps L* if L' cannot be
+  `switch_margin` better (gain + z se below it), and otherwise goes on, up to
+  `max_trial_rounds` pairs, after which L* stays. Between L = 4 and 5 at one
+  request (1-2% apart) a fixed 16 rounds each was a coin toss that sometimes
+  settled on the worse length.
 
 Acceptance runs in stretches: along the demo drafter's served prose chains
 (K = 7) a round after one that accepted all 7 drafts accepts at least 6 with
@@ -37,8 +48,8 @@ round in which every request accepted all its drafts the step drafts the full
 block whatever L* is, and such rounds are left out of the S_j (which weigh L*
 for the other rounds).
 
-L* starts at K. A trial that finds L' faster by `switch_margin` adopts it, and
-the next trial follows at once; otherwise trials back off (`min_interval`
+L* starts at K. A trial that adopts L' is followed at once by the next one;
+otherwise trials back off (`min_interval`
 doubling to `max_interval` drafting steps). L' takes turns between L* - 1, L* + 1
 and K (which also keeps the S_j beyond L* measured). Budgets still trim each
 request's drafts within L, and the draft gate still compares drafting (at L*)
@@ -47,6 +58,7 @@ with not drafting at all.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,15 +124,18 @@ class _Bucket:
 
     length: int  # L*
     other: int | None = None  # L' of the running trial
-    times: dict[int, list[float]] = field(default_factory=dict)  # round ms per L
-    turn: int = 0  # steps into the trial (L* on even, L' on odd)
+    pairs: list[tuple[float, float]] = field(default_factory=list)  # (t*, t') ms
+    open_star: float | None = None  # an L* round waiting for its L' round
+    pending: int | None = None  # the trial turn's length this step drafted
+    turn: int = 0  # steps into the trial (L* on odd, L' on even)
     interval: int = 16
     drafting_steps: int = 0
     trial_at: int = 0  # drafting step at which the next trial starts
     trials: int = 0
     switches: int = 0
     extended: int = 0  # full blocks run after a fully accepted round
-    last_rates: dict[int, float] = field(default_factory=dict)
+    undecided: int = 0  # trials that ran out of pairs (L* stayed)
+    last_trial: dict | None = None  # L', gain, its standard error, pairs
 
 
 @dataclass
@@ -133,8 +148,10 @@ class BlockLength:
     k_min: int = 1
     min_interval: int = 16
     max_interval: int = 512
-    trial_rounds: int = 16  # clean rounds per length in a trial
-    switch_margin: float = 0.01  # L' must beat L* by 1%
+    trial_rounds: int = 16  # pairs before a trial first decides
+    max_trial_rounds: int = 96  # pairs after which an undecided trial keeps L*
+    z: float = 2.0  # standard errors a decision needs
+    switch_margin: float = 0.01  # keep L* once L' cannot be 1% better
     # a bucket's first drafting steps run the full block without a trial: the
     # first steps of a batch size run slower (1.2-3x at one request here)
     warmup_steps: int = 16
@@ -162,17 +179,19 @@ class BlockLength:
         (module docstring), and the step takes no turn in a trial."""
         b = self._bucket(num_reqs)
         b.drafting_steps += 1
+        b.pending = None
         if after_full_accept:
             b.extended += 1
             return self.full
         if b.other is None and b.drafting_steps > b.trial_at:
             other = self._next_other(b)
             if other is not None:
-                b.other, b.times, b.turn = other, {b.length: [], other: []}, 0
+                b.other, b.pairs, b.open_star, b.turn = other, [], None, 0
         if b.other is None:
             return b.length
         b.turn += 1
-        return b.other if b.turn % 2 == 0 else b.length
+        b.pending = b.other if b.turn % 2 == 0 else b.length
+        return b.pending
 
     def _next_other(self, b: _Bucket) -> int | None:
         """L' of the next trial, in turn: L* - 1, L* + 1, K (those that exist)."""
@@ -193,22 +212,39 @@ class BlockLength:
         `round_ms` (its propose to the next); `survival` is
         `PositionSurvival.survival()`."""
         b = self.buckets.get(batch_bucket(num_reqs))
-        if b is None or b.other is None or round_ms <= 0 or length not in b.times:
+        if b is None or b.other is None or round_ms <= 0 or b.pending != length:
+            return  # not a trial's turn (a full block after a full accept, ...)
+        b.pending = None
+        if length == b.length:
+            b.open_star = round_ms
             return
-        b.times[length].append(round_ms)
-        if min(len(t) for t in b.times.values()) < self.trial_rounds:
+        if b.open_star is None:  # its L* round was not clean
+            return
+        b.pairs.append((b.open_star, round_ms))
+        b.open_star = None
+        n = len(b.pairs)
+        if n < self.trial_rounds or (n - self.trial_rounds) % max(
+            self.trial_rounds // 2, 1
+        ):
             return
         if survival is None:  # nothing to weigh the lengths by yet: try later
             b.other = None
             b.trial_at = b.drafting_steps + b.interval
             return
-        rates = {
-            n: num_reqs * (1.0 + sum(survival[:n])) / statistics.median(t)
-            for n, t in b.times.items()
-        }
-        b.last_rates, other, b.other = rates, b.other, None
+        gain, se = paired_gain(b.pairs, survival, b.length, b.other)
+        if gain > self.z * se:
+            adopt = True
+        elif gain + self.z * se < math.log1p(self.switch_margin):
+            adopt = False
+        elif n >= self.max_trial_rounds:
+            adopt = False
+            b.undecided += 1
+        else:
+            return  # undecided: more pairs
+        other, b.other = b.other, None
+        b.last_trial = {"other": other, "gain": gain, "se": se, "pairs": n}
         b.trials += 1
-        if rates[other] > (1.0 + self.switch_margin) * rates[b.length]:
+        if adopt:
             b.length, b.switches = other, b.switches + 1
             b.interval = self.min_interval
             b.trial_at = b.drafting_steps  # go on at once (the next neighbour)
@@ -228,11 +264,32 @@ class BlockLength:
                     "trials": b.trials,
                     "switches": b.switches,
                     "extended": b.extended,
-                    "last_rates": {str(n): r for n, r in sorted(b.last_rates.items())},
+                    "undecided": b.undecided,
+                    "last_trial": b.last_trial,
                 }
                 for key, b in sorted(self.buckets.items())
             },
         }
+
+
+def paired_gain(
+    pairs: Sequence[tuple[float, float]],
+    survival: Sequence[float],
+    length: int,
+    other: int,
+) -> tuple[float, float]:
+    """ln(rate(other) / rate(length)) from paired round times (t*, t') and the
+    S_j, and the standard error of its time part. Pairs whose log time ratio
+    lies beyond 4 robust deviations of the median are clipped there (a pause of
+    the machine in one round of a pair is not the length's doing)."""
+    d = [math.log(t / s) for s, t in pairs]
+    med = statistics.median(d)
+    spread = 4 * 1.4826 * statistics.median(abs(x - med) for x in d)
+    if spread > 0:
+        d = [min(max(x, med - spread), med + spread) for x in d]
+    tokens = math.log((1 + sum(survival[:other])) / (1 + sum(survival[:length])))
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.inf
+    return tokens - statistics.fmean(d), se
 
 
 class ScriptedBlockLength:

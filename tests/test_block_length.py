@@ -4,6 +4,7 @@ swings."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -152,11 +153,84 @@ def test_k_min_bounds_the_shortest_block():
 
 def test_rounds_of_another_bucket_or_length_are_not_counted():
     block = _block(trial_rounds=2)
-    _run(block, 1, 1, PROSE, _kink_round)  # starts a trial K vs K - 1
+    _run(block, 1, 1, PROSE, _kink_round)  # starts a trial K vs K - 1: K's turn
     b = block.buckets[1]
+    assert b.open_star == 8.6 and b.pairs == []
+    assert block.next_length(1) == K - 1
     block.record_round(length=3, num_reqs=1, round_ms=1.0, survival=PROSE)
-    block.record_round(length=K, num_reqs=2, round_ms=1.0, survival=PROSE)
-    assert b.times == {K: [8.6], K - 1: []}
+    block.record_round(length=K - 1, num_reqs=2, round_ms=1.0, survival=PROSE)
+    assert b.pairs == []
+    block.record_round(length=K - 1, num_reqs=1, round_ms=8.3, survival=PROSE)
+    assert b.pairs == [(8.6, 8.3)]
+    # a round recorded twice, or one no turn asked for, is not a pair's
+    block.record_round(length=K - 1, num_reqs=1, round_ms=8.3, survival=PROSE)
+    assert b.pairs == [(8.6, 8.3)]
+
+
+def test_a_full_block_after_a_full_accept_is_not_a_trials_turn():
+    block = _block(trial_rounds=2)
+    _run(block, 1, 1, PROSE, _kink_round)  # the trial K vs K - 1 began
+    b = block.buckets[1]
+    assert block.next_length(1, after_full_accept=True) == K
+    block.record_round(length=K, num_reqs=1, round_ms=99.0, survival=PROSE)
+    assert b.open_star == 8.6  # the extended round's time was not taken
+
+
+def test_paired_gain_weighs_tokens_against_paired_times():
+    from adaflash_vllm.proposers.block_length import paired_gain
+
+    s = [0.5, 0.5, 0.0]  # L = 2 emits 2 tokens a round, L = 1 1.5
+    # L' = 1 rounds 10% faster in every pair: ln(1.5 / 2) - ln(0.9)
+    pairs = [(10.0, 9.0), (20.0, 18.0), (5.0, 4.5)]
+    gain, se = paired_gain(pairs, s, 2, 1)
+    assert gain == pytest.approx(math.log(1.5 / 2) - math.log(0.9))
+    assert se == pytest.approx(0.0, abs=1e-12)
+    # one pair where the machine paused is clipped to the others' spread
+    noisy = [(10.0, 10.0 * (1 + 0.01 * (i % 3 - 1))) for i in range(30)]
+    clean_gain, _ = paired_gain(noisy, s, 2, 2)
+    paused_gain, _ = paired_gain([*noisy, (10.0, 40.0)], s, 2, 2)
+    assert abs(paused_gain - clean_gain) < 0.01  # unclipped: 0.045
+
+
+def test_a_clear_win_switches_after_the_first_pairs():
+    """L' 8% faster for the same tokens, 3% noise: decided at 16 pairs."""
+    block = _block()
+    flat = [0.5, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0]  # drafts past 2 are never accepted
+    _run(block, 16 + 32, 1, flat, lambda n, b: 8.0 * (1 + 0.08 * (n - 6)), jitter=0.03)
+    b = block.buckets[1]
+    assert b.length == K - 1 and b.switches == 1, block.to_dict()
+    assert b.last_trial["pairs"] == 16
+
+
+def test_lengths_one_percent_apart_stay_put_under_noise():
+    """L = 4 delivers 1% fewer tokens per ms than L = 5 (and L = 6, 7 6% fewer),
+    round times +-8.5% (5% sd): trials keep 5 or end undecided, and their turns
+    at other lengths cost under 0.5%. A 16-round median comparison picked 4 in
+    about a third of such runs (BENCHMARKS.md run 25)."""
+    s = [0.23, 0.115, 0.06, 0.035, 0.028, 0.0, 0.0]
+    relative_rate = {4: 1 / 1.01, 5: 1.0, 6: 1 / 1.06, 7: 1 / 1.06}
+
+    def round_ms(n, b):  # the round time that gives L its relative rate
+        return 8.0 * (1 + sum(s[:n])) / (1 + sum(s[:5])) / relative_rate.get(n, 1.0)
+
+    ends = []
+    for seed in range(20):
+        block = _block()
+        block._bucket(1).length = 5  # as if it had come down to 5
+        lengths = _run(block, 3000, 1, s, round_ms, jitter=0.085, seed=seed)
+        ends.append(block.buckets[1].length)
+        efficiency = sum(relative_rate.get(n, 1.0) for n in lengths) / len(lengths)
+        assert efficiency > 0.995, (seed, block.to_dict())
+    assert ends.count(5) >= 18, ends
+
+
+def test_an_undecided_trial_keeps_the_length():
+    block = _block(max_trial_rounds=32)
+    same = [0.5, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0]
+    _run(block, 200, 1, same, lambda n, b: 8.0, jitter=0.3, seed=3)
+    b = block.buckets[1]
+    assert b.undecided >= 1 and b.length == K, block.to_dict()
+    assert b.last_trial is not None and b.last_trial["pairs"] <= 32
 
 
 def test_a_fully_accepted_round_is_followed_by_the_full_block():
