@@ -4,9 +4,11 @@ Verification itself is vLLM's (lossless for ragged `num_draft_tokens`: each requ
 is checked against its own drafts only). A step that verifies no draft at all (the
 draft gate skipped drafting, or every budget was 0) does not come here: it samples
 with vLLM's plain sampler, as a step of plain decoding does (patches.py W7), and
-W7 counts its rounds through `record_bonus_only`. This subclass counts, on the
-device and without host syncs, drafted and accepted tokens per draft position and
-the distribution of per-request verify lengths `1 + k_i`: an independent,
+W7 counts its rounds through `record_bonus_only`. This subclass counts drafted
+and accepted tokens per draft position and the distribution of per-request verify
+lengths `1 + k_i` (on an accelerator on the device, without host syncs; on a CPU,
+where the device is the host, in lists: a tensor op per step costs more there
+than the Python of a batch's counts): an independent,
 worker-side record of what the ragged batches really verified (the scheduler
 keeps its own).
 
@@ -14,6 +16,8 @@ Shape symbols: B requests in the step, K max drafts per request.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from typing_extensions import override
@@ -26,12 +30,16 @@ class AdaFlashRejectionSampler(RejectionSampler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Rounds per drafts verified (host: the drafts are host lists) and per
-        # tokens emitted, accepted + 1 (device: no host sync per step).
+        # tokens emitted, accepted + 1: on an accelerator a device tensor (no
+        # host sync per step), on a CPU, where the device is the host, a list.
         self._verify_hist: list[int] = [0]
         self._emitted: torch.Tensor | None = None
-        # `_emitted` on the host, None when stale (`_emitted_counts`)
+        # the counts per tokens emitted on the host (`_emitted_counts`) and the
+        # accepted drafts they add up to; None when stale (device counts moved)
         self._host_emitted: list[int] | None = []
-        self._last_emitted: torch.Tensor | None = None  # [B] of the last forward
+        self._host_accepted: int | None = 0
+        # [B] of the last forward (a host list where counted on the host)
+        self._last_emitted: torch.Tensor | list[int] | None = None
         self.recording = True  # off while profiling with dummy batches
 
     @override
@@ -48,27 +56,46 @@ class AdaFlashRejectionSampler(RejectionSampler):
             self._verify_hist[0] += num_reqs  # host only: nothing drafted or accepted
 
     def _record(self, num_draft_tokens: list[int], sampled: torch.Tensor) -> None:
-        # sampled: [B, K + 1], -1 after the first rejection (and past k_i + 1).
+        # sampled: [B, K + 1], -1 (vLLM's PLACEHOLDER_TOKEN_ID) after the first
+        # rejection (and past k_i + 1).
         k_max = sampled.shape[1] - 1
         if len(self._verify_hist) < k_max + 1:
             self._verify_hist += [0] * (k_max + 1 - len(self._verify_hist))
         for k in num_draft_tokens:  # the drafts are host data: count them there
             self._verify_hist[k] += 1
+        if sampled.device.type == "cpu" and self._emitted is None:
+            # The device is the host: count in lists. In the engine a step's
+            # tensor op costs ~15 us here, more than a batch of 64's rows.
+            values = [len(row) - row.count(-1) for row in sampled.tolist()]
+            self._last_emitted = values  # a tensor only if the head asks
+            counts = self._host_emitted
+            if len(counts) < k_max + 2:
+                counts += [0] * (k_max + 2 - len(counts))
+            for n in values:
+                counts[n] += 1
+            self._host_accepted += sum(values) - len(values)
+            return
         emitted = (sampled >= 0).sum(-1)  # [B] accepted + 1, on the device
+        self._last_emitted = emitted
         if self._emitted is None or self._emitted.numel() < k_max + 2:
             grown = torch.zeros(k_max + 2, dtype=torch.long, device=sampled.device)
             if self._emitted is not None:
                 grown[: self._emitted.numel()] += self._emitted
+            elif self._host_emitted:  # counts a CPU kept before (not in practice)
+                grown[: len(self._host_emitted)] += torch.tensor(
+                    self._host_emitted, device=sampled.device
+                )
             self._emitted = grown
         self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
-        self._host_emitted = None
-        self._last_emitted = emitted
+        self._host_emitted = self._host_accepted = None
 
     def take_emitted(self) -> torch.Tensor | None:
         """Tokens each request emitted (accepted + 1, [B] on the device, rows in
         the step's batch order) in this step's verification, or None when none
         ran since the last call."""
         emitted, self._last_emitted = self._last_emitted, None
+        if isinstance(emitted, list):  # counted on the host (a CPU)
+            return torch.tensor(emitted, dtype=torch.long)
         return emitted
 
     def stats(self) -> dict[str, list[int]]:
@@ -79,18 +106,28 @@ class AdaFlashRejectionSampler(RejectionSampler):
         hist = hist + [0] * (k + 1 - len(hist))
         emitted = self._emitted_counts()
         emitted = emitted + [0] * (k + 2 - len(emitted))
-        drafted = [sum(hist[j + 1 :]) for j in range(k)]
-        accepted = [sum(emitted[j + 2 :]) for j in range(k)]
+        # suffix sums: drafted[j] = sum(hist[j + 1 :]),
+        # accepted[j] = sum(emitted[j + 2 :])
+        drafted = list(itertools.accumulate(reversed(hist[1:])))[::-1]
+        accepted = list(itertools.accumulate(reversed(emitted[2 : k + 2])))[::-1]
+        tail = sum(emitted[k + 2 :])  # rounds past K (a grown K), if any
+        if tail:
+            accepted = [a + tail for a in accepted]
         return {"drafted": drafted, "accepted": accepted, "verify_hist": hist}
 
     def accepted_total(self) -> int:
-        """Accepted drafts so far (one host sync after a drafting step, shared
-        with `stats`; none after steps without drafts, which accept nothing)."""
-        return sum(max(n - 1, 0) * c for n, c in enumerate(self._emitted_counts()))
+        """Accepted drafts so far (on an accelerator one host sync after a
+        drafting step, shared with `stats`; none after steps without drafts,
+        which accept nothing)."""
+        self._emitted_counts()
+        return self._host_accepted
 
     def _emitted_counts(self) -> list[int]:
         """Rounds by tokens emitted (index n: n tokens) on the host, copied once
-        per verification that changed them."""
+        per verification that changed them (an accelerator's counts)."""
         if self._host_emitted is None:
             self._host_emitted = self._emitted.cpu().tolist()
+            self._host_accepted = sum(
+                (n - 1) * c for n, c in enumerate(self._host_emitted) if n > 0
+            )
         return self._host_emitted

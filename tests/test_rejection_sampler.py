@@ -136,11 +136,15 @@ def test_counts_add_up_across_steps_without_and_with_drafts():
     assert stats["drafted"][:2] == [1, 1] and sum(stats["drafted"]) == 2
 
 
-def test_counts_per_position_match_the_verified_tokens():
+@pytest.mark.parametrize("counts", ["host", "device"])
+def test_counts_per_position_match_the_verified_tokens(counts):
     """Greedy drafts that match the target's argmax for a known prefix: the
     per-position counts and the accepted total are those prefixes, over steps
-    with different K (the counters grow)."""
+    with different K (the counters grow). `host`: a CPU's list counts;
+    `device`: an accelerator's tensor counts, taken here on the CPU."""
     sampler = AdaFlashRejectionSampler(Sampler())
+    if counts == "device":
+        sampler._emitted = torch.zeros(1, dtype=torch.long)  # the tensor path
     want_drafted, want_accepted, want_hist = [0] * 5, [0] * 5, [0] * 6
     gen = torch.Generator().manual_seed(0)
     for step, k_max in enumerate((3, 5, 2)):
@@ -156,6 +160,10 @@ def test_counts_per_position_match_the_verified_tokens():
         out = sampler(_metadata(drafts), None, logits, _sampling(None, 0))
         emitted = (out.sampled_token_ids >= 0).sum(-1) - 1
         assert emitted.tolist() == matches
+        # each request's tokens, once, for the length head's history
+        taken = sampler.take_emitted()
+        assert isinstance(taken, torch.Tensor) and (taken - 1).tolist() == matches
+        assert sampler.take_emitted() is None
         for k, m in zip(ks, matches, strict=True):
             want_hist[k] += 1
             for j in range(k):
@@ -171,3 +179,4 @@ def test_counts_per_position_match_the_verified_tokens():
     assert stats["drafted"] == want_drafted
     assert stats["accepted"] == want_accepted
     assert sampler.accepted_total() == sum(want_accepted)
+    assert (sampler._emitted is None) == (counts == "host")
