@@ -33,9 +33,15 @@ half the checks of skipping). While drafting's long-run rate beats skipping's by
 than `max_interval`; a real shift still starts one at once.
 With a step-cost curve, a check of skipping while drafting spends no rounds at
 all: skipping's rate is predicted from its last measured one (see
-`skip_remeasure_steps`). Exploring skips costs a few slow rounds, so it is only
-done when the cost model's
-own estimate (expected tokens per ms from the budgets and the step-cost curve) does
+`skip_remeasure_steps`), where the prediction decides: a switch, or drafting
+ahead by `decisive_margin`. A prediction closer than that is measured (a real
+check): under load the curve's level also follows drafting steps, whose output
+handling the profile leaves out, so while drafting the prediction reads low and
+close calls on it can keep a losing bucket drafting (the likely cause of a
+16-request run in which one bucket drafted 1,440 of 1,500 steps, BENCHMARKS.md
+run 26). Exploring skips costs a few slow rounds, so it is only done when the
+cost model's own estimate (expected tokens per ms from the budgets and the
+step-cost curve) does
 not already favour drafting by `sure_margin`, nor drafting's measured long-run rate
 (below) skipping's last measured one by as much, and a switch to drafting needs that
 estimate not to favour skipping by `sure_margin` either; a batch that shrank by a
@@ -182,10 +188,11 @@ class DraftGate:
             self._explore(num_reqs, "batch_shrank")  # drafting may pay again
             draft = True
         elif (reason := self._exploration_due()) and self._worth_exploring():
-            if self._can_predict_skipping():
-                self._check_predicted(num_reqs, reason)  # no rounds spent
+            if self._can_predict_skipping() and self._check_predicted(
+                num_reqs, reason
+            ):  # decided on the prediction: no rounds spent
                 draft = self.drafting
-            else:
+            else:  # no prediction, or one too close to call: measure
                 self._explore(num_reqs, reason)
                 draft = not self.drafting
         elif reason and self._skipping_stale():
@@ -414,11 +421,10 @@ class DraftGate:
             and self.step - self.skip_measured_at >= self.skip_remeasure_steps
         )
 
-    def _check_predicted(self, num_reqs: int, reason: str) -> None:
+    def _check_predicted(self, num_reqs: int, reason: str) -> bool:
         """A check of skipping on its predicted rate: `_settle`'s rule, with no
-        skipped rounds."""
-        self.predicted_checks[reason] = self.predicted_checks.get(reason, 0) + 1
-        self.switch_batch = num_reqs
+        skipped rounds, where the prediction decides. Returns False (nothing
+        adopted) when it is too close to call: skipping is then measured."""
         d, s = self.draft_rate.ratio(), self._predicted_skip_rate()
         best = True
         if d is not None and s is not None:
@@ -428,8 +434,13 @@ class DraftGate:
                 noise = self.switch_z * self._difference_noise()
                 slow = self.draft_rate_slow.ratio()
                 best = not (s > d + noise and (slow is None or s > slow))
+                if best and d < self.decisive_margin * s:
+                    return False
+        self.predicted_checks[reason] = self.predicted_checks.get(reason, 0) + 1
+        self.switch_batch = num_reqs
         self.predicted_switches += not best
         self._adopt(best, self._growth(d, s))
+        return True
 
     def _drafting_wins_decisively(self, margin: float | None = None) -> bool:
         """Drafting's long-run rate is `margin` (`decisive_margin`) times

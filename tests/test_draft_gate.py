@@ -670,3 +670,33 @@ def test_long_run_rate_spans_100_rounds_at_one_request_and_25_per_request_above(
     assert gate.draft_rate_slow.ema == pytest.approx(1 - 0.96**4)
     gate.should_draft(32)
     assert gate.draft_rate_slow.ema == pytest.approx(gate.ema)  # capped
+
+
+def test_a_prediction_too_close_to_call_measures_skipping():
+    """Skipping's predicted rate scales its last measured one by the cost
+    curve's plain step then over now. Under load the curve's level also follows
+    drafting steps (their output handling is not in the profile), so while
+    drafting the prediction reads low: here skipping really delivers 1.5 tokens
+    per ms against drafting's 1.2 once the text turns hard, but is predicted at
+    1.5 x 10 / 14 = 1.07. A prediction within `decisive_margin` of drafting
+    now measures skipping (a few skipped rounds) instead of deciding."""
+
+    def serve(gate, steps, draft_rate, skip_rate, drafting_plain_ms):
+        modes, last = [], None
+        for _ in range(steps):
+            if last is not None:
+                rate = draft_rate if last else skip_rate
+                gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
+            plain_ms = drafting_plain_ms if gate.drafting else 10.0
+            last = gate.should_draft(16, plain_ms=plain_ms)
+            if last:
+                gate.model_ratio = 1.0
+            modes.append(last)
+        return modes
+
+    gate = DraftGate(min_interval=8, explore_steps=3)
+    serve(gate, 300, 2.0, 1.5, 10.0)  # easy text: drafting wins
+    assert gate.drafting and gate.skip_rate.ratio() == pytest.approx(1.5)
+    modes = serve(gate, 600, 1.2, 1.5, 14.0)  # hard text, the level reads high
+    assert not gate.drafting, gate.to_dict()
+    assert modes[200:].count(False) > 0.9 * len(modes[200:]), modes
