@@ -34,8 +34,10 @@ class CycledLength:
     """A block length that ignores timings: the cycle's lengths in turn, every
     round timed (`record_round`) logged."""
 
-    def __init__(self, cycle: list[int]):
-        self.cycle, self.i = cycle, 0
+    def __init__(self, cycle: list[int], full: int):
+        if max(cycle) > full:
+            raise ValueError(f"lengths {cycle} exceed K = {full}")
+        self.cycle, self.full, self.i = cycle, full, 0
 
     def next_length(self, num_reqs: int, after_full_accept: bool = False) -> int:
         length = self.cycle[self.i % len(self.cycle)]
@@ -89,6 +91,8 @@ def main() -> None:
     reference = statistics.mode(cycle)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in-process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: one request
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -96,7 +100,7 @@ def main() -> None:
 
     def install(worker) -> bool:
         drafter = worker.model_runner.drafter
-        drafter.block_length = CycledLength(cycle)
+        drafter.block_length = CycledLength(cycle, drafter.block_length.full)
         return True
 
     llm.collective_rpc(install)
