@@ -434,7 +434,10 @@ class DraftGate:
                 noise = self.switch_z * self._difference_noise()
                 slow = self.draft_rate_slow.ratio()
                 best = not (s > d + noise and (slow is None or s > slow))
-                if best and d < self.decisive_margin * s:
+                # Too close to call on the prediction: measure. (Drafting's
+                # long-run rate counts: at one request it spans ~100 rounds and
+                # the recent one dips near skipping's every few rounds.)
+                if best and max(d, slow or 0.0) < self.decisive_margin * s:
                     return False
         self.predicted_checks[reason] = self.predicted_checks.get(reason, 0) + 1
         self.switch_batch = num_reqs
