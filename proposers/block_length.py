@@ -49,8 +49,8 @@ block whatever L* is, and such rounds are left out of the S_j (which weigh L*
 for the other rounds).
 
 L* starts at K. A trial that adopts L' is followed at once by the next one;
-otherwise trials back off (`min_interval`
-doubling to `max_interval` drafting steps). L' takes turns between L* - 1, L* + 1
+otherwise trials back off (`min_interval` doubling to `max_interval` drafting
+steps). L' takes turns between L* - 1, L* + 1
 and K (which also keeps the S_j beyond L* measured). Budgets still trim each
 request's drafts within L, and the draft gate still compares drafting (at L*)
 with not drafting at all.
@@ -191,6 +191,8 @@ class BlockLength:
             return b.length
         b.turn += 1
         b.pending = b.other if b.turn % 2 == 0 else b.length
+        if b.pending == b.length:
+            b.open_star = None  # a pair is two neighbouring rounds
         return b.pending
 
     def _next_other(self, b: _Bucket) -> int | None:
