@@ -35,13 +35,13 @@ With a step-cost curve, a check of skipping while drafting spends no rounds at
 all: skipping's rate is predicted from its last measured one (see
 `skip_remeasure_steps`), where the prediction decides: a switch, or drafting
 ahead by `decisive_margin`. A prediction closer than that is measured (a real
-check): under load the curve's level also follows drafting steps, whose output
-handling the profile leaves out, so while drafting the prediction reads low and
-close calls on it can keep a losing bucket drafting (the likely cause of a
-16-request run in which one bucket drafted 1,440 of 1,500 steps, BENCHMARKS.md
-run 26). Exploring skips costs a few slow rounds, so it is only done when the
-cost model's own estimate (expected tokens per ms from the budgets and the
-step-cost curve) does
+check), and above `predict_max_batch` requests every check is: under load the
+curve's level also follows drafting steps, whose output handling the profile
+leaves out, so while drafting the prediction reads low and can keep a losing
+bucket drafting (one bucket of 16 drafted 1,440 of 1,500 steps in a run, and
+one of 60 about 70 s in a served sweep; BENCHMARKS.md run 26). Exploring skips
+costs a few slow rounds, so it is only done when the cost model's own estimate
+(expected tokens per ms from the budgets and the step-cost curve) does
 not already favour drafting by `sure_margin`, nor drafting's measured long-run rate
 (below) skipping's last measured one by as much, and a switch to drafting needs that
 estimate not to favour skipping by `sure_margin` either; a batch that shrank by a
@@ -149,6 +149,13 @@ class DraftGate:
     # spares skipping every check: one bad early measurement of skipping, or a
     # miscalibrated head feeding the estimate, would keep drafting for good.
     skip_remeasure_steps: int = 2048
+    # Predicted checks only up to this many requests. Under load the curve's
+    # level follows drafting steps (each emits several tokens per request whose
+    # output handling the profile leaves out), so while drafting skipping's
+    # prediction reads low by more than `decisive_margin`: in a served sweep a
+    # bucket of 60 kept drafting ~70 s on such checks (BENCHMARKS.md run 26).
+    # Larger batches explore skipping for real (a few rounds each check).
+    predict_max_batch: int = 4
     plain_ms: float | None = None  # the cost curve at B tokens, this step
     skip_plain_ms: RatioEMA = field(init=False)  # plain_ms over skipped rounds
     skip_measured_at: int = 0  # step of the last skipped round measured
@@ -188,7 +195,7 @@ class DraftGate:
             self._explore(num_reqs, "batch_shrank")  # drafting may pay again
             draft = True
         elif (reason := self._exploration_due()) and self._worth_exploring():
-            if self._can_predict_skipping() and self._check_predicted(
+            if self._can_predict_skipping(num_reqs) and self._check_predicted(
                 num_reqs, reason
             ):  # decided on the prediction: no rounds spent
                 draft = self.drafting
@@ -405,10 +412,12 @@ class DraftGate:
             return None
         return skip * then / self.plain_ms
 
-    def _can_predict_skipping(self) -> bool:
-        """Drafting, with a predicted skipping rate measured recently enough."""
+    def _can_predict_skipping(self, num_reqs: int = 1) -> bool:
+        """Drafting, with a predicted skipping rate measured recently enough,
+        at a batch small enough for the prediction (`predict_max_batch`)."""
         return (
             self.drafting
+            and num_reqs <= self.predict_max_batch
             and self._predicted_skip_rate() is not None
             and self.step - self.skip_measured_at < self.skip_remeasure_steps
         )

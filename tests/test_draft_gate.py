@@ -672,14 +672,16 @@ def test_long_run_rate_spans_100_rounds_at_one_request_and_25_per_request_above(
     assert gate.draft_rate_slow.ema == pytest.approx(gate.ema)  # capped
 
 
-def test_a_prediction_too_close_to_call_measures_skipping():
+@pytest.mark.parametrize("batch", [4, 16])
+def test_a_prediction_too_close_to_call_measures_skipping(batch):
     """Skipping's predicted rate scales its last measured one by the cost
     curve's plain step then over now. Under load the curve's level also follows
     drafting steps (their output handling is not in the profile), so while
     drafting the prediction reads low: here skipping really delivers 1.5 tokens
     per ms against drafting's 1.2 once the text turns hard, but is predicted at
-    1.5 x 10 / 14 = 1.07. A prediction within `decisive_margin` of drafting
-    now measures skipping (a few skipped rounds) instead of deciding."""
+    1.5 x 10 / 14 = 1.07. At 4 requests a prediction within `decisive_margin`
+    of drafting measures skipping (a few skipped rounds) instead of deciding;
+    above `predict_max_batch` every check measures."""
 
     def serve(gate, steps, draft_rate, skip_rate, drafting_plain_ms):
         modes, last = [], None
@@ -688,7 +690,7 @@ def test_a_prediction_too_close_to_call_measures_skipping():
                 rate = draft_rate if last else skip_rate
                 gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
             plain_ms = drafting_plain_ms if gate.drafting else 10.0
-            last = gate.should_draft(16, plain_ms=plain_ms)
+            last = gate.should_draft(batch, plain_ms=plain_ms)
             if last:
                 gate.model_ratio = 1.0
             modes.append(last)
