@@ -412,7 +412,7 @@ class DraftGate:
             return None
         return skip * then / self.plain_ms
 
-    def _can_predict_skipping(self, num_reqs: int = 1) -> bool:
+    def _can_predict_skipping(self, num_reqs: int) -> bool:
         """Drafting, with a predicted skipping rate measured recently enough,
         at a batch small enough for the prediction (`predict_max_batch`)."""
         return (

@@ -81,10 +81,6 @@ class AdaFlashRejectionSampler(RejectionSampler):
             grown = torch.zeros(k_max + 2, dtype=torch.long, device=sampled.device)
             if self._emitted is not None:
                 grown[: self._emitted.numel()] += self._emitted
-            elif self._host_emitted:  # counts a CPU kept before (not in practice)
-                grown[: len(self._host_emitted)] += torch.tensor(
-                    self._host_emitted, device=sampled.device
-                )
             self._emitted = grown
         self._emitted.index_add_(0, emitted, torch.ones_like(emitted))
         self._host_emitted = self._host_accepted = None
@@ -109,10 +105,8 @@ class AdaFlashRejectionSampler(RejectionSampler):
         # suffix sums: drafted[j] = sum(hist[j + 1 :]),
         # accepted[j] = sum(emitted[j + 2 :])
         drafted = list(itertools.accumulate(reversed(hist[1:])))[::-1]
-        accepted = list(itertools.accumulate(reversed(emitted[2 : k + 2])))[::-1]
-        tail = sum(emitted[k + 2 :])  # rounds past K (a grown K), if any
-        if tail:
-            accepted = [a + tail for a in accepted]
+        # (the histograms grow together: emitted has exactly k + 2 entries)
+        accepted = list(itertools.accumulate(reversed(emitted[2:])))[::-1]
         return {"drafted": drafted, "accepted": accepted, "verify_hist": hist}
 
     def accepted_total(self) -> int:
