@@ -8,8 +8,12 @@ profiler cannot name a 10 us call. These timers cost ~0.3 us per call. In the
 engine each of these runs after the model's forward has filled the caches, and
 costs ~3x what a micro-benchmark of the same call says.
 
-Run (about 2 minutes on one core; `--config dflash:5` for stock DFlash's parts):
-    taskset -c 0 python examples/step_timers.py --config adaflash --num-prompts 40
+Several configurations in one run (`--configs adaflash,dflash:5`) take every
+prompt in turn, in an order reversed each prompt, so that the machine's speed
+swings land on all of them alike; the table then has one column per
+configuration. Run (about 4 minutes on one core for two):
+    taskset -c 0 python examples/step_timers.py --configs adaflash,dflash:5 \
+        --num-prompts 40
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 
 from compare_no_draft import _engine, demo_prompts
 
-ACC: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+ACC: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])  # "config/part.fn"
 
 RUNNER = (
     "execute_model",
@@ -42,6 +46,8 @@ DRAFTER = (
     "_record_block_round",
     "_credit_round",
     "_remember_propose",
+    "_write_deferred_context",
+    "_round_history",
     "_sample_draft_tokens",
 )
 SAMPLER = ("forward", "_record", "stats", "accepted_total")
@@ -75,39 +81,82 @@ def timed(obj, names, prefix: str) -> None:
         setattr(obj, name, functools.wraps(orig)(wrapper))
 
 
-def install(worker) -> bool:
+def by_tokens(runner, label: str) -> None:
+    """Time the runner's `execute_model` (the target's forward) also by the
+    step's scheduled token count: steps of 1 + k tokens for each k verified."""
+    orig = runner.execute_model
+
+    def execute_model(scheduler_output, *a, **k):
+        t = time.perf_counter()
+        try:
+            return orig(scheduler_output, *a, **k)
+        finally:
+            n = scheduler_output.total_num_scheduled_tokens
+            entry = ACC[f"{label}/forward at {n:3d} tokens"]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - t
+
+    runner.execute_model = execute_model
+
+
+def install(worker, config: str) -> bool:
     runner = worker.model_runner
     drafter = runner.drafter
-    timed(runner, RUNNER, "runner")
-    timed(drafter, DRAFTER, "proposer")
-    timed(runner.rejection_sampler, SAMPLER, "sampler")
+    by_tokens(runner, config)
+    timed(runner, RUNNER, f"{config}/runner")
+    timed(drafter, DRAFTER, f"{config}/proposer")
+    timed(runner.rejection_sampler, SAMPLER, f"{config}/sampler")
     for attr, names, prefix in (
         ("draft_gate", GATE, "gate"),
         ("block_length", BLOCK, "block"),
         ("cost_model", ("observe",), "cost"),
         ("_position_survival", ("update",), "survival"),
+        ("budget_policy", ("choose",), "policy"),
     ):
         part = getattr(drafter, attr, None)
         if part is not None:
-            timed(part, names, prefix)
+            timed(part, names, f"{config}/{prefix}")
+    use = getattr(getattr(drafter, "budget_policy", None), "use", None)
+    if use is not None:
+        timed(use, ("active", "record"), f"{config}/budget_use")
     return True
 
 
-def report(steps: int) -> list[dict]:
-    return [
-        {
-            "function": name,
-            "calls_per_step": calls / steps,
-            "us_per_step": 1e6 * secs / steps,
-            "us_per_call": 1e6 * secs / max(calls, 1),
-        }
-        for name, (calls, secs) in sorted(ACC.items(), key=lambda kv: -kv[1][1])
-    ]
+def gate_summary(worker) -> dict | None:
+    """The draft gate's counters per batch-size bucket (None: no gate)."""
+    gate = getattr(worker.model_runner.drafter, "draft_gate", None)
+    if gate is None:
+        return None
+    keys = ("drafted_steps", "skipped_steps", "switches", "explorations")
+    keys += ("predicted_checks", "predicted_switches")
+    return {b: {k: g[k] for k in keys} for b, g in gate.to_dict()["buckets"].items()}
+
+
+def report(configs: list[str], steps: dict[str, int]) -> list[dict]:
+    """One row per function: each configuration's us per step and calls per step."""
+    names: dict[str, float] = {}
+    for label, (_, secs) in ACC.items():
+        config, _, name = label.partition("/")
+        names[name] = max(names.get(name, 0.0), secs / max(steps[config], 1))
+    rows = []
+    for name in sorted(names, key=lambda n: -names[n]):
+        row = {"function": name}
+        for config in configs:
+            calls, secs = ACC.get(f"{config}/{name}", (0, 0.0))
+            row[config] = {
+                "calls_per_step": calls / max(steps[config], 1),
+                "us_per_step": 1e6 * secs / max(steps[config], 1),
+                "us_per_call": 1e6 * secs / max(calls, 1),
+            }
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="adaflash", help="as compare_no_draft.py")
+    p.add_argument(
+        "--configs", default="adaflash", help="comma list, as compare_no_draft.py"
+    )
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--skip", type=int, default=100, help="prompts left out first")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -119,28 +168,66 @@ def main() -> None:
     from tqdm import tqdm
     from vllm import SamplingParams
 
-    llm = _engine(args.config, 1)
-    llm.collective_rpc(install)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    timed(scheduler, SCHEDULER, "scheduler")
-    tokenizer = llm.get_tokenizer()
+    configs = args.configs.split(",")
+    # AdaFlash's worker patches, applied when its first engine is built, make
+    # stock DFlash engines built before it fail the runner's isinstance check
+    # (compare_steps.py): a spare AdaFlash engine first, never stepped.
+    spare = _engine("adaflash", 1) if not configs[0].startswith("adaflash") else None
+    engines = {}
+    for config in configs:
+        llm = engines[config] = _engine(config, 1)
+        llm.collective_rpc(install, args=(config,))
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        timed(scheduler, SCHEDULER, f"{config}/scheduler")
+    tokenizer = engines[configs[0]].get_tokenizer()
     prompts = demo_prompts(tokenizer)[args.skip : args.skip + args.num_prompts + 1]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not counted
+    for llm in engines.values():
+        llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not counted
     ACC.clear()
+    order = list(configs)
     for prompt in tqdm(prompts[1:], desc="prompts"):  # one request at a time
-        llm.generate([prompt], params, use_tqdm=False)
-    steps = ACC["runner.execute_model"][0]
-    rows = report(steps)
-    print(f"{args.config}: {steps} steps at one request")
+        for config in order:
+            t = time.perf_counter()
+            engines[config].generate([prompt], params, use_tqdm=False)
+            ACC[f"{config}/generate (wall)"][0] += 1
+            ACC[f"{config}/generate (wall)"][1] += time.perf_counter() - t
+        order.reverse()
+    del spare
+    steps = {c: ACC[f"{c}/runner.execute_model"][0] for c in configs}
+    rows = report(configs, steps)
+    print(", ".join(f"{c}: {steps[c]} steps" for c in configs), "(one request)")
+    print(f"{'us per step':36s}" + "".join(f"{c:>22s}" for c in configs))
     for r in rows:
-        print(
-            f"{r['function']:36s} {r['calls_per_step']:5.2f} calls/step "
-            f"{r['us_per_step']:9.1f} us/step {r['us_per_call']:8.1f} us/call"
+        if r["function"].startswith("forward at"):
+            continue
+        cells = "".join(
+            f"{r[c]['us_per_step']:13.1f} ({r[c]['calls_per_step']:4.2f}/st)"
+            for c in configs
         )
+        print(f"{r['function']:36s}{cells}")
+    print(
+        f"{'forward by tokens: us per call':36s}"
+        + "".join(f"{c:>22s}" for c in configs)
+    )
+    for r in sorted(rows, key=lambda r: r["function"]):
+        if r["function"].startswith("forward at"):
+            cells = "".join(
+                f"{r[c]['us_per_call']:13.1f} ({r[c]['calls_per_step']:4.2f}/st)"
+                for c in configs
+            )
+            print(f"{r['function']:36s}{cells}")
+    gates = {}
+    for config, llm in engines.items():
+        gate = llm.collective_rpc(gate_summary)[0]
+        if gate is not None:
+            gates[config] = gate
+            print(f"{config} draft gate per bucket:", json.dumps(gate))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": args.config, "steps": steps, "rows": rows}, f)
+            json.dump(
+                {"configs": configs, "steps": steps, "rows": rows, "gate": gates}, f
+            )
 
 
 if __name__ == "__main__":

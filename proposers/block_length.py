@@ -72,12 +72,14 @@ class PositionSurvival:
     `stats()`: cumulative `drafted[j - 1]`, `accepted[j - 1]`). Each update
     weighs as its rounds would one by one (`per_round`): at one request a step
     is one round and the estimate spans ~100 of them; at 32 requests a step
-    moves it by a quarter."""
+    moves it by a quarter. Until that many rounds have come it is their plain
+    mean."""
 
     def __init__(self, k: int, per_round: float = 0.01):
         self.k, self.per_round = k, per_round
         self._num = [0.0] * k
         self._den = [0.0] * k
+        self._rounds = [0] * k  # rounds weighed so far, per position
         self._last: tuple[list[int], list[int]] | None = None
 
     def update(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
@@ -91,7 +93,10 @@ class PositionSurvival:
                 if d <= 0:
                     continue
                 a = accepted[j] - self._last[1][j]
-                w = 1.0 if self._den[j] == 0 else 1 - (1 - self.per_round) ** d
+                # the plain mean of the rounds so far until ~1 / per_round of
+                # them (the first round alone must not stand for ~100)
+                seen = self._rounds[j] = self._rounds[j] + d
+                w = max(1 - (1 - self.per_round) ** d, d / seen)
                 # EMAs of per-round sums: a / d per round, d rounds at once
                 self._num[j] += w * (a / d - self._num[j])
                 self._den[j] += w * (1.0 - self._den[j])

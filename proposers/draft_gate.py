@@ -226,7 +226,7 @@ class DraftGate:
                 if self.plain_ms is not None:
                     self.skip_plain_ms.add(self.plain_ms, 1.0)
             m = self.rate_moments[drafted]
-            r, a = tokens / ms, self.ema if m[0] else 1.0
+            r, a = tokens / ms, max(self.ema, 1.0 / (m[0] + 1))  # as RatioEMA
             m[0] += 1
             m[1] += a * (r - m[1])
             m[2] += a * (r * r - m[2])

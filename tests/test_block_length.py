@@ -74,6 +74,17 @@ def test_position_survival_weighs_each_round():
     assert one.survival()[0] == pytest.approx(0.99**32)
 
 
+def test_position_survival_is_the_mean_of_its_first_rounds():
+    """A first round that accepted nothing must not stand for ~100 rounds: over
+    the first rounds the estimate is their plain mean."""
+    s = PositionSurvival(1, 0.01)
+    s.update([0], [0])
+    s.update([1], [0])  # the first round: rejected
+    for i in range(2, 21):  # 19 accepted
+        s.update([i], [i - 1])
+    assert s.survival()[0] == pytest.approx(19 / 20)
+
+
 def test_warmup_then_trials_alternate_the_two_lengths():
     block = BlockLength(full=K, warmup_steps=3, trial_rounds=2)
     lengths = _run(block, 7, 1, PROSE, _kink_round)
