@@ -47,6 +47,7 @@ DRAFTER = (
     "_credit_round",
     "_remember_propose",
     "_write_deferred_context",
+    "_skip_drafting",
     "_round_history",
     "_sample_draft_tokens",
 )
@@ -101,21 +102,34 @@ def by_tokens(runner, label: str) -> None:
 
 def install(worker, config: str) -> bool:
     runner = worker.model_runner
-    drafter = runner.drafter
+    drafter = getattr(runner, "drafter", None)  # None: plain vLLM
     by_tokens(runner, config)
     timed(runner, RUNNER, f"{config}/runner")
+    if drafter is None:
+        return True
     timed(drafter, DRAFTER, f"{config}/proposer")
     timed(runner.rejection_sampler, SAMPLER, f"{config}/sampler")
     for attr, names, prefix in (
         ("draft_gate", GATE, "gate"),
         ("block_length", BLOCK, "block"),
-        ("cost_model", ("observe",), "cost"),
         ("_position_survival", ("update",), "survival"),
         ("budget_policy", ("choose",), "policy"),
+        ("_deferred", ("add", "write"), "deferred"),
     ):
         part = getattr(drafter, attr, None)
         if part is not None:
             timed(part, names, f"{config}/{prefix}")
+    profile = getattr(drafter, "ensure_cost_profile", None)
+    if profile is not None:  # the step-cost curve exists once it has run
+
+        def ensure_cost_profile(runner, _orig=profile):
+            _orig(runner)
+            cost = drafter.cost_model
+            if cost is not None and not hasattr(cost, "_timed"):
+                cost._timed = True
+                timed(cost, ("observe",), f"{config}/cost")
+
+        drafter.ensure_cost_profile = ensure_cost_profile
     use = getattr(getattr(drafter, "budget_policy", None), "use", None)
     if use is not None:
         timed(use, ("active", "record"), f"{config}/budget_use")
@@ -124,7 +138,7 @@ def install(worker, config: str) -> bool:
 
 def gate_summary(worker) -> dict | None:
     """The draft gate's counters per batch-size bucket (None: no gate)."""
-    gate = getattr(worker.model_runner.drafter, "draft_gate", None)
+    gate = getattr(getattr(worker.model_runner, "drafter", None), "draft_gate", None)
     if gate is None:
         return None
     keys = ("drafted_steps", "skipped_steps", "switches", "explorations")
@@ -158,6 +172,12 @@ def main() -> None:
         "--configs", default="adaflash", help="comma list, as compare_no_draft.py"
     )
     p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="prompts per batch (each engine serves this many at a time)",
+    )
     p.add_argument("--skip", type=int, default=100, help="prompts left out first")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", help="also write the table as JSON here")
@@ -172,31 +192,40 @@ def main() -> None:
     # AdaFlash's worker patches, applied when its first engine is built, make
     # stock DFlash engines built before it fail the runner's isinstance check
     # (compare_steps.py): a spare AdaFlash engine first, never stepped.
-    spare = _engine("adaflash", 1) if not configs[0].startswith("adaflash") else None
+    first = configs[0]
+    spare = _engine("adaflash", 1) if not first.startswith("adaflash") else None
     engines = {}
     for config in configs:
-        llm = engines[config] = _engine(config, 1)
+        llm = engines[config] = _engine(config, args.concurrency)
         llm.collective_rpc(install, args=(config,))
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         timed(scheduler, SCHEDULER, f"{config}/scheduler")
     tokenizer = engines[configs[0]].get_tokenizer()
-    prompts = demo_prompts(tokenizer)[args.skip : args.skip + args.num_prompts + 1]
+    conc = args.concurrency
+    prompts = demo_prompts(tokenizer)
+    prompts = (prompts * (1 + (args.skip + conc + args.num_prompts) // len(prompts)))[
+        args.skip : args.skip + conc + args.num_prompts
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():
-        llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not counted
+        llm.generate(prompts[:conc], params, use_tqdm=False)  # warm-up, not counted
     ACC.clear()
     order = list(configs)
-    for prompt in tqdm(prompts[1:], desc="prompts"):  # one request at a time
+    batches = [prompts[i : i + conc] for i in range(conc, len(prompts), conc)]
+    for batch in tqdm(batches, desc=f"batches of {conc}"):
         for config in order:
             t = time.perf_counter()
-            engines[config].generate([prompt], params, use_tqdm=False)
+            engines[config].generate(batch, params, use_tqdm=False)
             ACC[f"{config}/generate (wall)"][0] += 1
             ACC[f"{config}/generate (wall)"][1] += time.perf_counter() - t
         order.reverse()
     del spare
     steps = {c: ACC[f"{c}/runner.execute_model"][0] for c in configs}
     rows = report(configs, steps)
-    print(", ".join(f"{c}: {steps[c]} steps" for c in configs), "(one request)")
+    print(
+        ", ".join(f"{n}: {steps[n]} steps" for n in configs),
+        f"({conc} requests at a time)",
+    )
     print(f"{'us per step':36s}" + "".join(f"{c:>22s}" for c in configs))
     for r in rows:
         if r["function"].startswith("forward at"):

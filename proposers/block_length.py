@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaflash_vllm.proposers.draft_gate import batch_bucket
@@ -213,11 +213,12 @@ class BlockLength:
         length: int,
         num_reqs: int,
         round_ms: float,
-        survival: Sequence[float] | None,
+        survival: Sequence[float] | Callable[[], Sequence[float] | None] | None,
     ) -> None:
         """A clean drafting round of block `length` for `num_reqs` requests took
         `round_ms` (its propose to the next); `survival` is
-        `PositionSurvival.survival()`."""
+        `PositionSurvival.survival()`, or that method, called only when a trial
+        decides (every few pairs: not on every drafting step)."""
         b = self.buckets.get(batch_bucket(num_reqs))
         if b is None or b.other is None or round_ms <= 0 or b.pending != length:
             return  # not a trial's turn (a full block after a full accept, ...)
@@ -234,6 +235,8 @@ class BlockLength:
             self.trial_rounds // 2, 1
         ):
             return
+        if callable(survival):
+            survival = survival()
         if survival is None:  # nothing to weigh the lengths by yet: try later
             b.other = None
             b.trial_at = b.drafting_steps + b.interval

@@ -281,12 +281,15 @@ class DraftGate:
         `decisive_margin` and by more than `switch_z` standard errors. With one
         or two requests a round's rate follows its text, and a hard stretch there
         must not hold every larger batch."""
+        if self.drafting:  # (every step, for each smaller bucket: cheap first)
+            return False
         d, s = self.draft_rate.ratio(), self.skip_rate.ratio()
-        if self.drafting or d is None or s is None:
+        if d is None or s is None:
             return False
         d = max(d, self.draft_rate_slow.ratio() or 0.0)
-        noise = self.switch_z * self._difference_noise()
-        return s >= self.decisive_margin * d and s - d > noise
+        if s < self.decisive_margin * d:
+            return False
+        return s - d > self.switch_z * self._difference_noise()
 
     def start_held(self, num_reqs: int) -> None:
         """A new gate whose smaller batches skip decisively: skip, and check

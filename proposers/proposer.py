@@ -680,7 +680,7 @@ class AdaFlashProposer(DFlashProposer):
                 length=last.length,
                 num_reqs=len(last.batch),
                 round_ms=1e3 * (started - last.started),
-                survival=self._position_survival.survival(),
+                survival=self._position_survival.survival,  # read if deciding
             )
 
     def _round_history(

@@ -74,6 +74,22 @@ def test_position_survival_weighs_each_round():
     assert one.survival()[0] == pytest.approx(0.99**32)
 
 
+def test_survival_given_as_a_method_is_read_only_when_a_trial_decides():
+    """The proposer hands `PositionSurvival.survival` itself: the S_j are folded
+    on the steps where a trial decides, not on every drafting step; the
+    lengths chosen are the same as with the values."""
+    reads = []
+
+    def survival():
+        reads.append(1)
+        return PROSE
+
+    lazy, eager = _block(trial_rounds=4), _block(trial_rounds=4)
+    lengths = _run(lazy, 80, 1, survival, _kink_round)
+    assert lengths == _run(eager, 80, 1, PROSE, _kink_round)
+    assert 0 < len(reads) < 80 // 4
+
+
 def test_position_survival_is_the_mean_of_its_first_rounds():
     """A first round that accepted nothing must not stand for ~100 rounds: over
     the first rounds the estimate is their plain mean."""
