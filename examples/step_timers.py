@@ -48,6 +48,9 @@ DRAFTER = (
     "_remember_propose",
     "_write_deferred_context",
     "_skip_drafting",
+    "set_inputs_first_pass",
+    "build_per_group_and_layer_attn_metadata",
+    "build_model_inputs_first_pass",
     "_round_history",
     "_sample_draft_tokens",
 )
@@ -115,6 +118,11 @@ def install(worker, config: str) -> bool:
         ("_position_survival", ("update",), "survival"),
         ("budget_policy", ("choose",), "policy"),
         ("_deferred", ("add", "write"), "deferred"),
+        (
+            "model",
+            ("forward", "compute_logits", "precompute_and_store_context_kv"),
+            "drafter_model",
+        ),
     ):
         part = getattr(drafter, attr, None)
         if part is not None:
