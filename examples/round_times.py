@@ -45,6 +45,9 @@ class CycledLength:
         return length
 
     def record_round(self, *, length, num_reqs, round_ms, survival) -> None:
+        # the proposer hands `PositionSurvival.survival` itself (BlockLength
+        # reads it only when deciding); the log keeps each round's values
+        survival = survival() if callable(survival) else survival
         LOG.append(("round", length, round_ms, survival))
 
     def to_dict(self) -> dict:
