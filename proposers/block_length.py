@@ -64,6 +64,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adaflash_vllm.proposers.draft_gate import batch_bucket
+from adaflash_vllm.proposers.ratio_ema import running_weight
 
 
 class PositionSurvival:
@@ -95,8 +96,8 @@ class PositionSurvival:
                 a = accepted[j] - self._last[1][j]
                 # the plain mean of the rounds so far until ~1 / per_round of
                 # them (the first round alone must not stand for ~100)
-                seen = self._rounds[j] = self._rounds[j] + d
-                w = max(1 - (1 - self.per_round) ** d, d / seen)
+                self._rounds[j] += d
+                w = running_weight(self.per_round, self._rounds[j], d)
                 # EMAs of per-round sums: a / d per round, d rounds at once
                 self._num[j] += w * (a / d - self._num[j])
                 self._den[j] += w * (1.0 - self._den[j])

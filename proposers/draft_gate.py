@@ -75,7 +75,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from adaflash_vllm.proposers.ratio_ema import RatioEMA
+from adaflash_vllm.proposers.ratio_ema import RatioEMA, running_weight
 
 
 @dataclass
@@ -226,7 +226,7 @@ class DraftGate:
                 if self.plain_ms is not None:
                     self.skip_plain_ms.add(self.plain_ms, 1.0)
             m = self.rate_moments[drafted]
-            r, a = tokens / ms, max(self.ema, 1.0 / (m[0] + 1))  # as RatioEMA
+            r, a = tokens / ms, running_weight(self.ema, m[0] + 1)
             m[0] += 1
             m[1] += a * (r - m[1])
             m[2] += a * (r * r - m[2])

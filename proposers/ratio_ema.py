@@ -18,6 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def running_weight(ema: float, seen: int, new: int = 1) -> float:
+    """The weight of `new` observations arriving together, `seen` of them so far
+    (these included), in an EMA of rate `ema` per observation that is the plain
+    mean of its observations until about `1 / ema` of them have come."""
+    return max(1.0 - (1.0 - ema) ** new, new / seen)
+
+
 @dataclass
 class RatioEMA:
     ema: float
@@ -26,7 +33,7 @@ class RatioEMA:
     count: int = 0
 
     def add(self, num: float, den: float) -> None:
-        a = max(self.ema, 1.0 / (self.count + 1))
+        a = running_weight(self.ema, self.count + 1)
         self.num += a * (num - self.num)
         self.den += a * (den - self.den)
         self.count += 1
