@@ -134,6 +134,15 @@ def demo_prompts(tokenizer, domain: str = "prose") -> list[str]:
     return chat_prompts(tokenizer, [r["prompt"] for r in load_prompts(path)])
 
 
+def in_process_engines(kv_cache_gib: int) -> None:
+    """Environment for engines built in this process (their workers in it too,
+    so that tools can reach them): offline, `kv_cache_gib` of KV cache each
+    unless VLLM_CPU_KVCACHE_SPACE says otherwise. Before vLLM is imported."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def _engine(config: str, concurrency: int, log_stats: bool = False):
     from adaflash_vllm.bench.paired import offline_engine
 

@@ -54,7 +54,7 @@ import cProfile
 import json
 import os
 
-from compare_no_draft import _engine, demo_prompts, parse_configs
+from compare_no_draft import _engine, demo_prompts, in_process_engines, parse_configs
 
 # no_draft:VARIANT: the never-drafting engine with one part of a skipped step off
 # (measurements only: what that part costs)
@@ -148,10 +148,8 @@ def main() -> None:
         p.error(str(e))
     if args.steps <= args.warmup_steps + args.block:
         p.error("--steps must exceed --warmup-steps + --block")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # GiB per engine (1 with twins: up to 2 x 4 + 1 engines in 24 GiB)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.twins else "2")
+    in_process_engines(1 if args.twins else 2)
     from tqdm import tqdm
     from vllm import SamplingParams
 

@@ -22,10 +22,9 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
 
-from compare_no_draft import _engine, demo_prompts
+from compare_no_draft import _engine, demo_prompts, in_process_engines
 
 LOG: list[tuple] = []  # ("round", length, ms, survival) in the order they ran
 
@@ -93,9 +92,7 @@ def main() -> None:
     cycle = [int(n) for n in args.cycle.split(",")]
     reference = statistics.mode(cycle)
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in-process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: one request
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    in_process_engines(1)  # GiB: one request
     from tqdm import tqdm
     from vllm import SamplingParams
 

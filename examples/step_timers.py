@@ -1,6 +1,7 @@
 """Wall-clock time per engine step of AdaFlash's per-step functions, in the
 running engine: a timer around each named method (worker, drafter, rejection
-sampler, draft gate, block length, scheduler), one request at a time.
+sampler, draft gate, block length, scheduler), one request at a time or
+`--concurrency` N prompts per batch.
 
 cProfile adds its own cost to every Python call, which inflates exactly this
 kind of code (many small calls per step) several times over; a sampling
@@ -22,10 +23,9 @@ import argparse
 import collections
 import functools
 import json
-import os
 import time
 
-from compare_no_draft import _engine, demo_prompts
+from compare_no_draft import _engine, demo_prompts, in_process_engines
 
 ACC: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])  # "config/part.fn"
 
@@ -66,6 +66,13 @@ SCHEDULER = (
 )
 
 
+def charge(label: str, started: float) -> None:
+    """One call of `label` that began at perf_counter `started`."""
+    entry = ACC[label]
+    entry[0] += 1
+    entry[1] += time.perf_counter() - started
+
+
 def timed(obj, names, prefix: str) -> None:
     """Wrap each of `names` that `obj` has with a timer (on the instance)."""
     for name in names:
@@ -78,9 +85,7 @@ def timed(obj, names, prefix: str) -> None:
             try:
                 return _orig(*a, **k)
             finally:
-                entry = ACC[_label]
-                entry[0] += 1
-                entry[1] += time.perf_counter() - t
+                charge(_label, t)
 
         setattr(obj, name, functools.wraps(orig)(wrapper))
 
@@ -96,9 +101,7 @@ def by_tokens(runner, label: str) -> None:
             return orig(scheduler_output, *a, **k)
         finally:
             n = scheduler_output.total_num_scheduled_tokens
-            entry = ACC[f"{label}/forward at {n:3d} tokens"]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - t
+            charge(f"{label}/forward at {n:3d} tokens", t)
 
     runner.execute_model = execute_model
 
@@ -174,6 +177,16 @@ def report(configs: list[str], steps: dict[str, int]) -> list[dict]:
     return rows
 
 
+def print_table(title: str, rows, configs, value: str = "us_per_step") -> None:
+    """`rows` (as `report` gives them): `value` and calls per step, by config."""
+    print(f"{title:36s}" + "".join(f"{c:>22s}" for c in configs))
+    for r in rows:
+        cells = "".join(
+            f"{r[c][value]:13.1f} ({r[c]['calls_per_step']:4.2f}/st)" for c in configs
+        )
+        print(f"{r['function']:36s}{cells}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -190,9 +203,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", help="also write the table as JSON here")
     args = p.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in-process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: one request
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    in_process_engines(1)  # GiB per engine (2 for 64 requests of 1,024 tokens)
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -224,8 +235,7 @@ def main() -> None:
         for config in order:
             t = time.perf_counter()
             engines[config].generate(batch, params, use_tqdm=False)
-            ACC[f"{config}/generate (wall)"][0] += 1
-            ACC[f"{config}/generate (wall)"][1] += time.perf_counter() - t
+            charge(f"{config}/generate (wall)", t)
         order.reverse()
     del spare
     steps = {c: ACC[f"{c}/runner.execute_model"][0] for c in configs}
@@ -234,26 +244,12 @@ def main() -> None:
         ", ".join(f"{n}: {steps[n]} steps" for n in configs),
         f"({conc} requests at a time)",
     )
-    print(f"{'us per step':36s}" + "".join(f"{c:>22s}" for c in configs))
+    parts, forwards = [], []
     for r in rows:
-        if r["function"].startswith("forward at"):
-            continue
-        cells = "".join(
-            f"{r[c]['us_per_step']:13.1f} ({r[c]['calls_per_step']:4.2f}/st)"
-            for c in configs
-        )
-        print(f"{r['function']:36s}{cells}")
-    print(
-        f"{'forward by tokens: us per call':36s}"
-        + "".join(f"{c:>22s}" for c in configs)
-    )
-    for r in sorted(rows, key=lambda r: r["function"]):
-        if r["function"].startswith("forward at"):
-            cells = "".join(
-                f"{r[c]['us_per_call']:13.1f} ({r[c]['calls_per_step']:4.2f}/st)"
-                for c in configs
-            )
-            print(f"{r['function']:36s}{cells}")
+        (forwards if r["function"].startswith("forward at") else parts).append(r)
+    print_table("us per step", parts, configs)
+    forwards.sort(key=lambda r: r["function"])
+    print_table("forward by tokens: us per call", forwards, configs, "us_per_call")
     gates = {}
     for config, llm in engines.items():
         gate = llm.collective_rpc(gate_summary)[0]
