@@ -14,14 +14,16 @@ from adaflash_vllm.proposers.draft_gate import (
 def _serve(gate, steps, *, draft_rate, skip_rate, b=32, model_ratio=1.0, plain_ms=None):
     """Run `steps` steps where a drafting round emits `draft_rate` tokens per ms and
     a skipped one `skip_rate`; returns the modes chosen. `plain_ms`: the cost
-    curve at b tokens, as the proposer passes it (None: no curve)."""
+    curve at b tokens, as the proposer passes it (None: no curve), or a function
+    of the gate giving it each step."""
     modes = []
     last = None
     for _ in range(steps):
         if last is not None:
             rate = draft_rate if last else skip_rate
             gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
-        last = gate.should_draft(b, plain_ms=plain_ms)
+        ms = plain_ms(gate) if callable(plain_ms) else plain_ms
+        last = gate.should_draft(b, plain_ms=ms)
         if last:
             gate.model_ratio = model_ratio
         modes.append(last)
@@ -685,17 +687,14 @@ def test_a_prediction_too_close_to_call_measures_skipping(batch):
     above `predict_max_batch` every check measures."""
 
     def serve(gate, steps, draft_rate, skip_rate, drafting_plain_ms):
-        modes, last = [], None
-        for _ in range(steps):
-            if last is not None:
-                rate = draft_rate if last else skip_rate
-                gate.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
-            plain_ms = drafting_plain_ms if gate.drafting else 10.0
-            last = gate.should_draft(batch, plain_ms=plain_ms)
-            if last:
-                gate.model_ratio = 1.0
-            modes.append(last)
-        return modes
+        return _serve(
+            gate,
+            steps,
+            draft_rate=draft_rate,
+            skip_rate=skip_rate,
+            b=batch,
+            plain_ms=lambda g: drafting_plain_ms if g.drafting else 10.0,
+        )
 
     gate = DraftGate(min_interval=8, explore_steps=3)
     serve(gate, 300, 2.0, 1.5, 10.0)  # easy text: drafting wins
