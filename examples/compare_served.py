@@ -1,7 +1,8 @@
 """Served paired passes: several `vllm serve` configurations of the demo models up
 at once (all pinned to the same core, idle while another is measured), each pass
 the same requests at a fixed client concurrency, configurations in a rotating
-order. Prints every pass's tok/s, the draft gate's skipped share and tau, each
+order. Prints every pass's tok/s, the draft gate's skipped share and tau, the
+CPU time each server's API server and engine core spent per output token, each
 AdaFlash server's gate state per batch-size bucket at the end (also saved as
 OUT/CONFIG-gate.json), then each configuration's per-pass ratios to plain (mean
 with a 95% interval) and one JSON line.
@@ -16,6 +17,8 @@ Configurations (K = 7, the demo drafter):
     noskip       AdaFlash `cost_aware` with `skip_drafting: false` (always drafts)
     no_draft     AdaFlash that never drafts (every step writes the drafter's
                  context K/V and verifies 0 drafts; `adaflash_debug_draft_every`)
+    noctx        the same without writing the drafter's context K/V (what never
+                 drafting costs besides that upkeep; `adaflash_debug_context_upkeep`)
     cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
     single       the same with one draft gate for every batch size
                  (`adaflash_debug_gate` with `per_batch_size: 0`)
@@ -40,13 +43,18 @@ from pathlib import Path
 DEMO = Path(__file__).resolve().parent / "demo"
 _BENCH_NAME = {  # bench.configs names; plain and dflash are their own
     "no_draft": "adaflash:fixed",  # drafting turned off over RPC
+    "noctx": "adaflash:fixed",  # and the context upkeep too
     "noskip": "adaflash:cost_aware",  # skip_drafting turned off below
     "cost_aware": "adaflash:cost_aware",
     "single": "adaflash:cost_aware",  # one gate set over RPC
 }
-_RPC = {
-    "no_draft": ("adaflash_debug_draft_every", [10**9]),
-    "single": ("adaflash_debug_gate", [{"per_batch_size": 0}]),
+_RPC = {  # the calls each configuration gets once its server is up
+    "no_draft": [("adaflash_debug_draft_every", [10**9])],
+    "noctx": [
+        ("adaflash_debug_draft_every", [10**9]),
+        ("adaflash_debug_context_upkeep", [False]),
+    ],
+    "single": [("adaflash_debug_gate", [{"per_batch_size": 0}])],
 }
 
 
@@ -79,8 +87,7 @@ def _server(config: str, concurrency: int, out: Path, cores: str):
     server = config_server(_config(config), _setup(), engine, cores, log)
     server.env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc
     server.start()
-    if config in _RPC:
-        method, rpc_args = _RPC[config]
+    for method, rpc_args in _RPC.get(config, []):
         _rpc(server, method, rpc_args)
     return server
 
@@ -104,6 +111,27 @@ def _gate_buckets(server) -> dict | None:
     return (state.get("draft_gate") or {}).get("buckets")
 
 
+def _cpu_seconds(server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process of `server`'s tree, by
+    role: the API server (the `vllm serve` process) and everything under it (the
+    engine core; on a CPU build no other child does work)."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    procs = {"api_server": [root], "engine_core": root.children(recursive=True)}
+    seconds = {}
+    for role, members in procs.items():
+        total = 0.0
+        for proc in members:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        seconds[role] = total
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="plain,cost_aware,single")
@@ -118,6 +146,13 @@ def main() -> None:
         help="output lengths drawn (seeded) from max-tokens * [1 - S, 1 + S]",
     )
     p.add_argument("--prompts", default="prose", help="prompt set (bench sets)")
+    p.add_argument(
+        "--unique-prompts",
+        type=int,
+        default=None,
+        help="send only this many distinct prompts, cycled (as the sweep sends its "
+        "--num-prompts prompts at every level; repeats hit the prefix cache)",
+    )
     p.add_argument("--cores", default="0", help="the servers' cores")
     p.add_argument("--out", default="runs/compare-served")
     args = p.parse_args()
@@ -135,9 +170,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = str(DEMO / "target")
+    distinct = min(args.unique_prompts or args.requests, args.requests)
     prompts = load_phase(
-        args.prompts, AutoTokenizer.from_pretrained(target), count=args.requests
+        args.prompts, AutoTokenizer.from_pretrained(target), count=distinct
     ).prompts
+    prompts = (prompts * (args.requests // len(prompts) + 1))[: args.requests]
     workload = {  # what measure_level reads: output lengths drawn per request
         "max_tokens": args.max_tokens,
         "temperature": 0.0,
@@ -150,12 +187,20 @@ def main() -> None:
         for server in servers.values():
             warm_up(server, target, prompts, args.concurrency)
         tok_s: dict[str, list[float]] = {c: [] for c in configs}
+        cpu_ms = {c: {"api_server": [], "engine_core": []} for c in configs}
         for i in range(args.passes):
             shift = i % len(configs)
             for config in configs[shift:] + configs[:shift]:
+                before = _cpu_seconds(servers[config])
                 rate, reqs, spec, extra = measure_level(
                     servers[config], target, prompts, args.concurrency, workload
                 )
+                after = _cpu_seconds(servers[config])
+                tokens = sum(r.get("tokens", 0) for r in reqs)
+                for role in after:
+                    cpu_ms[config][role].append(
+                        1000 * (after[role] - before[role]) / max(1, tokens)
+                    )
                 failed = sum(not r.get("ok") for r in reqs)
                 tok_s[config].append(rate)
                 gate = extra.get("gate_skipped_share")
@@ -164,6 +209,9 @@ def main() -> None:
                     line += f" skipped {gate:.0%}"
                 if failed:
                     line += f" FAILED {failed}"
+                line += " | CPU ms/token: " + " ".join(
+                    f"{role} {v[-1]:.3f}" for role, v in cpu_ms[config].items()
+                )
                 print(line, flush=True)
         gates = {c: _gate_buckets(servers[c]) for c in configs if c in _BENCH_NAME}
     finally:
@@ -184,16 +232,28 @@ def main() -> None:
     summary = {
         "concurrency": args.concurrency,
         "requests": args.requests,
+        "unique_prompts": distinct,
         "length_spread": args.length_spread,
     }
     for config in configs:
         ratios = [a / b for a, b in zip(tok_s[config], tok_s["plain"], strict=True)]
         mean, half = mean_ci(ratios)
         half = None if half != half else half  # one pass: no interval (not NaN)
-        summary[config] = {"tok_s": tok_s[config], "vs_plain": mean, "ci95": half}
+        summary[config] = {
+            "tok_s": tok_s[config],
+            "vs_plain": mean,
+            "ci95": half,
+            "cpu_ms_per_token": cpu_ms[config],
+        }
         each = " ".join(f"{r:.3f}" for r in ratios)
         spread = "" if half is None else f" +- {half:.3f}"
         print(f"{config:>10} / plain: {mean:.3f}{spread} (per pass {each})")
+        print(
+            f"{config:>10} CPU ms per output token: "
+            + " ".join(
+                f"{role} {sum(v) / len(v):.3f}" for role, v in cpu_ms[config].items()
+            )
+        )
     print(json.dumps(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
