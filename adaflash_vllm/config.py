@@ -61,6 +61,11 @@ class LengthConfig(_Struct):
     # cost_aware: run the drafter on a block of only the L <= K slots that pay
     # for their time, per batch-size bucket, from measured round times and
     # per-position acceptance (block_length.py).
+    retire_when_skipping: bool = False
+    # cost_aware with skip_drafting: where the gate skips decisively, requests in
+    # decode stop keeping the drafter's context K/V (its per-token upkeep) and
+    # verify no draft for the rest of their life; prompts keep it
+    # (proposers/retired_context.py).
 
 
 class AdmissionConfig(_Struct):

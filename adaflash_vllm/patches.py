@@ -479,6 +479,9 @@ def _wrap_execute_model(orig: Callable) -> Callable:
         order = getattr(scheduler_output, "adaflash_swap", None)
         if order is not None:
             self._adaflash_swap_result = self.drafter.apply_swap(order)
+        note = getattr(drafter, "note_schedule", None)
+        if note is not None:  # blocks allocated this step (retired_context.py)
+            note(scheduler_output)
         return orig(self, scheduler_output, intermediate_tensors)
 
     return execute_model
@@ -493,7 +496,9 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
         drafter = getattr(self, "drafter", None)
         gate = getattr(drafter, "draft_gate", None)
         if gate is not None and output is not None:  # for /metrics (scheduler)
-            output.adaflash_gate = gate_counters(gate)
+            output.adaflash_gate = gate_counters(
+                gate, getattr(drafter, "retired", None)
+            )
         if (
             output is not None
             and hasattr(drafter, "take_budgets")
@@ -616,12 +621,16 @@ def draft_round_trips(runner) -> int:
     )
 
 
-def gate_counters(gate) -> dict[str, int]:
-    """The draft gate's cumulative counters, as the scheduler exports them."""
+def gate_counters(gate, retired=None) -> dict[str, int]:
+    """The draft gate's cumulative counters (and, with `retire_when_skipping`,
+    the requests retired from drafting), as the scheduler exports them."""
     counters = {
         "draft_gate_drafted_steps": gate.drafted_steps,
         "draft_gate_skipped_steps": gate.skipped_steps,
     }
     if hasattr(gate, "drafting"):  # the mode it follows (a scripted gate has none)
         counters["draft_gate_drafting"] = int(gate.drafting)
+    if retired is not None:
+        counters["retired_requests"] = retired.retired_total
+        counters["retired_on_cache_hit"] = retired.retired_on_hit
     return counters

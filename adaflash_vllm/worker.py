@@ -108,6 +108,11 @@ class AdaFlashWorkerExtension:
             "survival": type(getattr(policy, "survival", None)).__name__,
             "budget_use": policy.use.to_dict() if hasattr(policy, "use") else None,
             "draft_gate": gate.to_dict() if gate is not None else None,
+            "retired": (
+                drafter.retired.to_dict()
+                if getattr(drafter, "retired", None) is not None
+                else None
+            ),
             "block_length": block.to_dict() if block is not None else None,
             "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }
@@ -135,6 +140,18 @@ class AdaFlashWorkerExtension:
         drafter, which prices that upkeep. The drafter's cache then misses those
         tokens: drafts after it are worse, the output is unchanged (lossless)."""
         self.model_runner.drafter.context_upkeep = bool(enable)
+
+    def adaflash_debug_retire(self, enable: bool, always: bool = False) -> None:
+        """Tests and measurements: turn `length.retire_when_skipping` on or off
+        (needs a draft gate); with `always`, every skipped step retires its
+        requests in decode, whether or not the gate skips decisively. Off, no
+        request retires any more; those retired stay so, and hits on the blocks
+        they left incomplete still retire a new request."""
+        drafter = self.model_runner.drafter
+        if getattr(drafter, "draft_gate", None) is None:
+            raise ValueError("no draft gate runs (cost_aware with skip_drafting)")
+        drafter.retire_when_skipping = bool(enable)
+        drafter.retire_always = bool(enable and always)
 
     def adaflash_debug_head_history(self, enable: bool) -> bool:
         """Experiments (examples/compare_no_draft.py `adaflash:nohist`): with

@@ -17,7 +17,7 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 (`adaptive_block: false`: the drafter's full block always), `adaflash:explored`
 (the gate's checks of skipping explore it, as before run 23), `adaflash:nohist`
 (a length head with history never reads the previous round), `adaflash:noskip`
-(`skip_drafting: false`),
+(`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
 `adaflash:kN` (the same with `num_speculative_tokens` N instead of 7: its
 drafter's length head, trained for 7, is then left out; variants combine with
@@ -46,6 +46,7 @@ DEMO = Path(__file__).resolve().parent / "demo"
 _ADAFLASH_VARIANTS = {
     "adaptive_block": {"adaptive_block": True},
     "noskip": {"skip_drafting": False},
+    "retire": {"retire_when_skipping": True},  # requests in decode retire
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)
@@ -183,7 +184,7 @@ def main() -> None:
         "--configs",
         default="no_draft",
         help="comma list of no_draft, dflash[:K], adaflash[:adaptive_block|noskip|"
-        "fixed|z2|never|dipchecks] (each compared to plain)",
+        "fixed|z2|never|dipchecks|retire|...] (each compared to plain)",
     )
     args = p.parse_args()
     try:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from adaflash_vllm.proposers.block_length import BlockLength, PositionSurvival
 from adaflash_vllm.proposers.budget import BudgetPolicy, make_budget_policy
@@ -38,6 +39,7 @@ from adaflash_vllm.proposers.length_head import (
     round_history,
 )
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
+from adaflash_vllm.proposers.retired_context import RetiredContext
 from adaflash_vllm.proposers.row_max import first_argmax
 from typing_extensions import override
 from vllm.logger import init_logger
@@ -176,6 +178,11 @@ class AdaFlashProposer(DFlashProposer):
         # on skipped steps, so that a benchmark can price the upkeep; the drafter's
         # cache then lacks those tokens (later drafts worse, output unchanged).
         self.context_upkeep = True
+        # length.retire_when_skipping (retired_context.py): built at first use,
+        # once vLLM has set the drafter's KV cache block size
+        self.retire_when_skipping = False
+        self.retire_always = False  # debug: retire on every skipped step
+        self.retired: RetiredContext | None = None
         self._budgets: dict[str, int] | None = None
         self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -215,6 +222,9 @@ class AdaFlashProposer(DFlashProposer):
                 get_tensor_model_parallel_world_size()
             )
             length = self.adaflash.length
+            self.retire_when_skipping = (
+                length.retire_when_skipping and self.draft_gate is not None
+            )
             if length.mode == "cost_aware" and length.adaptive_block:
                 self.block_length = BlockLength(
                     full=self.num_speculative_tokens, k_min=length.k_min
@@ -356,6 +366,8 @@ class AdaFlashProposer(DFlashProposer):
             )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
+            if draft and _retired_in(self, batch) and self.retired.retired >= batch:
+                draft = False  # every request is retired: nobody would verify
         return _Opened(started, req_ids, batch, last, draft, full_accept)
 
     def propose_early(
@@ -488,7 +500,11 @@ class AdaFlashProposer(DFlashProposer):
                     self.budget_policy.last_choice,
                     1e3 * (now - chose_at) + self._confidence_ms,
                 )
-            if gate is not None and self.cost_model is not None:
+            if (
+                gate is not None
+                and self.cost_model is not None
+                and not _retired_in(self, batch)
+            ):
                 choice = self.budget_policy.last_choice
                 gate.record_draft(
                     num_reqs=num_reqs,
@@ -500,6 +516,9 @@ class AdaFlashProposer(DFlashProposer):
             self._remember_propose(
                 started, now, batch, True, last, num_drafts, opened.full_accept
             )
+        if self._budgets is not None and _retired_in(self, batch):
+            for req_id in self.retired.retired.intersection(req_ids):
+                self._budgets[req_id] = 0  # its drafter context has holes
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
             draft_token_ids = torch.nn.functional.pad(
                 draft_token_ids, (0, full - num_drafts)
@@ -530,11 +549,18 @@ class AdaFlashProposer(DFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         num_context = target_hidden_states.shape[0]
-        if self.context_upkeep:
+        states = target_hidden_states  # [T, ...]: one row per context token
+        positions = target_positions[:num_context]
+        slots = common_attn_metadata.slot_mapping[:num_context]
+        if self.retire_when_skipping:
+            kept = self._retire_rows(req_ids, common_attn_metadata, slots)
+            if kept is not None:  # some rows retired: upkeep for the rest only
+                states, positions, slots = states[kept], positions[kept], slots[kept]
+        if self.context_upkeep and states.shape[0] > 0:
             self._deferred.add(
-                target_hidden_states,  # [T, ...]: one row per context token
-                target_positions[:num_context],
-                common_attn_metadata.slot_mapping[:num_context],
+                states,
+                positions,
+                slots,
                 # Tokens a drafting round verified are that round's cost.
                 charged=last is None or not last.drafted,
             )
@@ -544,6 +570,69 @@ class AdaFlashProposer(DFlashProposer):
         now = self._synced_clock()
         self.draft_gate.record_skip(1e3 * (now - opened.started))
         self._remember_propose(opened.started, now, opened.batch, False, last)
+
+    def _retire_rows(
+        self, req_ids: list[str], cad, slots: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`length.retire_when_skipping` on a skipped step: which context tokens
+        still get the drafter's K/V. Where the gate skips decisively at this
+        batch size, requests in decode retire (their upkeep stops, they draft no
+        more); prompt tokens keep theirs, and requests already retired get none.
+        Returns the kept token indices, or None to keep every token."""
+        retired = self.retired
+        if retired is None:
+            retired = self.retired = RetiredContext(self.block_size)
+        current = getattr(self.draft_gate, "current", None)
+        now = self.retire_always or (
+            current is not None
+            and not current.drafting
+            # held: a smaller batch's gate skips decisively (draft_gate.py)
+            and (current.held or current.skips_decisively())
+        )
+        if not now and not retired.retired:
+            return None
+        n = len(req_ids)
+        batch = self._runner.input_batch
+        drop = (
+            batch.num_computed_tokens_cpu[:n] >= batch.num_prompt_tokens[:n]
+            if now  # rows past their prompt (the step's tokens are generated ones)
+            else np.zeros(n, dtype=bool)
+        )
+        if retired.retired:
+            drop |= np.fromiter((r in retired.retired for r in req_ids), bool, n)
+        if not drop.any():
+            return None
+        counts = np.diff(cad.query_start_loc_cpu[: n + 1].numpy())
+        if counts.sum() != slots.shape[0]:
+            return None  # rows and tokens disagree (not a layout this knows)
+        dropped_tokens = np.repeat(drop, counts)
+        index = torch.from_numpy(np.flatnonzero(dropped_tokens))
+        retired.retire(
+            [r for r, d in zip(req_ids, drop, strict=True) if d],
+            slots[index.to(slots.device)].tolist(),
+        )
+        retired.forget_finished(req_ids)
+        return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
+
+    def note_schedule(self, scheduler_output) -> None:
+        """Before the step runs (patches.py W4): the blocks vLLM allocated this
+        step, for `RetiredContext` (hits on blocks with holes retire a request,
+        fresh blocks have none). Nothing to do while no block has holes."""
+        retired = self.retired
+        if retired is None or not retired.holey:
+            return
+        gid = max(self.kv_cache_gid, 0)
+        for new in scheduler_output.scheduled_new_reqs:
+            retired.admit(new.req_id, new.block_ids[gid], new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if blocks is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # all its blocks, hits included
+                retired.admit(req_id, blocks[gid], cached.num_computed_tokens[i])
+            else:
+                retired.fresh(blocks[gid])
 
     def _remember_propose(
         self,
@@ -618,6 +707,7 @@ class AdaFlashProposer(DFlashProposer):
             same_batch
             and last.drafted
             and hasattr(self.budget_policy, "observe_accepted")
+            and not _retired_in(self, batch)
         ):
             self.budget_policy.observe_accepted(accepted)
         return accepted
@@ -646,6 +736,8 @@ class AdaFlashProposer(DFlashProposer):
             return
         if last.after_drafted not in (None, last.drafted):
             return
+        if last.drafted and _retired_in(self, last.batch):
+            return  # its retired requests verified no draft: not a drafting round
         ms = 1e3 * (started - last.started)
         if not batch <= last.batch:
             cost, budgets = self.cost_model, last.budgets
@@ -675,7 +767,11 @@ class AdaFlashProposer(DFlashProposer):
             survival = self._position_survival
             take = survival.skip if last.extended else survival.update
             take(counts["drafted"], counts["accepted"])
-        if batch == last.batch and last.after_drafted is not False:
+        if (
+            batch == last.batch
+            and last.after_drafted is not False
+            and not _retired_in(self, batch)
+        ):
             self.block_length.record_round(
                 length=last.length,
                 num_reqs=len(last.batch),
@@ -824,6 +920,16 @@ class AdaFlashProposer(DFlashProposer):
         """Budgets chosen at the last propose (each handed out once)."""
         budgets, self._budgets = self._budgets, None
         return budgets
+
+
+def _retired_in(proposer, batch: frozenset[str] | list[str]) -> bool:
+    """Whether any request of `batch` is retired from drafting (retired_context)."""
+    retired = getattr(proposer, "retired", None)
+    return (
+        retired is not None
+        and bool(retired.retired)
+        and not retired.retired.isdisjoint(batch)
+    )
 
 
 def _log_switch(gate: BatchSizeGates, num_reqs: int) -> None:

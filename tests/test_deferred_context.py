@@ -67,6 +67,7 @@ def test_a_skipped_step_queues_its_context_unless_upkeep_is_off():
     proposer = types.SimpleNamespace(
         _deferred=_DeferredContext(),
         context_upkeep=False,
+        retire_when_skipping=False,
         draft_gate=types.SimpleNamespace(record_skip=lambda ms: None),
         device=torch.device("cpu"),
         _synced_clock=lambda: 1.0,
@@ -90,3 +91,96 @@ def test_a_skipped_step_queues_its_context_unless_upkeep_is_off():
     proposer.context_upkeep = True
     skip()
     assert proposer._deferred.tokens == 2
+
+
+def _retiring_proposer(decisive: bool):
+    """A stand-in proposer with `retire_when_skipping` on: three requests, "p" in
+    its prompt (3 tokens this step), "d1" and "d2" in decode (1 token each),
+    cache blocks of 4 slots."""
+    import numpy as np
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+
+    proposer = types.SimpleNamespace(
+        _deferred=_DeferredContext(),
+        context_upkeep=True,
+        retire_when_skipping=True,
+        retire_always=False,
+        retired=None,
+        block_size=4,
+        draft_gate=types.SimpleNamespace(
+            record_skip=lambda ms: None,
+            current=types.SimpleNamespace(
+                drafting=False, held=False, skips_decisively=lambda: decisive
+            ),
+        ),
+        device=torch.device("cpu"),
+        _synced_clock=lambda: 1.0,
+        _remember_propose=lambda *args: None,
+        _runner=types.SimpleNamespace(
+            input_batch=types.SimpleNamespace(
+                num_computed_tokens_cpu=np.array([0, 20, 30]),
+                num_prompt_tokens=np.array([10, 12, 9]),
+            )
+        ),
+    )
+    proposer._retire_rows = lambda *a: AdaFlashProposer._retire_rows(proposer, *a)
+    return proposer
+
+
+def _skip_step(proposer, req_ids):
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer, _Opened
+
+    AdaFlashProposer._skip_drafting(
+        proposer,
+        _Opened(0.5, req_ids, frozenset(req_ids), None, False),
+        num_speculative_tokens=3,
+        target_positions=torch.tensor([0, 1, 2, 20, 30]),
+        target_hidden_states=torch.arange(5.0).unsqueeze(1).expand(5, 6),
+        common_attn_metadata=types.SimpleNamespace(
+            slot_mapping=torch.tensor([40, 41, 42, 9, 13]),
+            query_start_loc_cpu=torch.tensor([0, 3, 4, 5]),
+        ),
+    )
+
+
+def test_a_decisive_skip_retires_requests_in_decode_and_keeps_prompts():
+    """Where the gate skips decisively, the decode rows' context is not queued
+    (their requests retire, their blocks hold holes); the prompt's is."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert proposer._deferred.tokens == 3
+    assert torch.cat(proposer._deferred.slots).tolist() == [40, 41, 42]
+    assert proposer.retired.retired == {"d1", "d2"}
+    assert proposer.retired.holey == {2, 3}  # slots 9 and 13, blocks of 4
+    assert proposer._budgets == {"p": 0, "d1": 0, "d2": 0}
+
+
+def test_retired_requests_stay_without_upkeep_once_skipping_is_not_decisive():
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    proposer.draft_gate.current.skips_decisively = lambda: False
+    proposer._deferred = _DeferredContext()
+    proposer.retired.retired.discard("d2")  # as if d2 had not been retired
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert torch.cat(proposer._deferred.slots).tolist() == [40, 41, 42, 13]
+
+
+def test_no_retirement_while_skipping_is_not_decisive():
+    proposer = _retiring_proposer(decisive=False)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert proposer._deferred.tokens == 5
+    assert not proposer.retired.retired and not proposer.retired.holey
+
+
+def test_a_bucket_held_to_skipping_retires_too():
+    """A larger batch held to skipping by a smaller one's decisive skipping
+    (draft_gate.py) retires as that one would; not while it follows drafting
+    (a skipped step there is a check of skipping)."""
+    proposer = _retiring_proposer(decisive=False)
+    proposer.draft_gate.current.held = True
+    proposer.draft_gate.current.drafting = True
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert not proposer.retired.retired
+    proposer.draft_gate.current.drafting = False
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert proposer.retired.retired == {"d1", "d2"}

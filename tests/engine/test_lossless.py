@@ -26,7 +26,8 @@ K = 3
 
 
 @pytest.fixture(
-    scope="module", params=["fixed", "debug_ragged", "skips", "short_blocks"]
+    scope="module",
+    params=["fixed", "debug_ragged", "skips", "short_blocks", "retire"],
 )
 def adaflash(request, tiny):
     """One AdaFlash engine per length mode; `fixed` is given as a config FILE path,
@@ -34,15 +35,19 @@ def adaflash(request, tiny):
     `skips`: debug_ragged budgets with the drafter run on every other step only
     (the steps between verify 0 drafts, as skip_drafting does). `short_blocks`:
     debug_ragged budgets with the drafter run on blocks of 1, 2, ..., K slots in
-    turn (as adaptive_block does under load)."""
+    turn (as adaptive_block does under load). `retire`: `skips` with every
+    skipped step retiring its requests in decode (`retire_when_skipping`: no
+    more context upkeep, no more drafts for them)."""
     mode = request.param
-    length = "debug_ragged" if mode in ("skips", "short_blocks") else mode
+    length = "debug_ragged" if mode in ("skips", "short_blocks", "retire") else mode
     spec = tiny.spec(k=K, adaflash={"length": {"mode": length}})
     if mode == "fixed":
         spec = str(tiny.write_config("adaflash-fixed.json", spec))
     llm = make_llm(tiny.target, spec)
-    if mode == "skips":
+    if mode in ("skips", "retire"):
         llm.collective_rpc("adaflash_debug_draft_every", args=(2,))
+    if mode == "retire":
+        llm.collective_rpc("adaflash_debug_retire", args=(True, True))
     if mode == "short_blocks":
         llm.collective_rpc("adaflash_debug_block_lengths")
     result = {
@@ -73,11 +78,14 @@ def test_not_vacuous(adaflash):
     """The drafter drafted and some drafts were accepted (else identity is trivial)."""
     m = adaflash["metrics"]
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+    if adaflash["mode"] != "retire":  # there a request drafts in one round at most
+        assert m["vllm:spec_decode_num_accepted_tokens"] > 0
     assert m["vllm:adaflash_rounds"] > 0
-    if adaflash["mode"] == "skips":  # and half the steps ran without the drafter
+    if adaflash["mode"] in ("skips", "retire"):  # half the steps ran without it
         gate = adaflash["llm"].collective_rpc("adaflash_budget_state")[0]
         assert gate["draft_gate"]["skipped_steps"] > 10, gate
+    if adaflash["mode"] == "retire":  # and requests retired, on /metrics too
+        assert m["vllm:adaflash_retired_requests"] >= len(PROMPTS)
     if adaflash["mode"] == "short_blocks":  # and every block length ran
         used = adaflash["llm"].collective_rpc("adaflash_budget_state")[0][
             "block_length"
@@ -114,7 +122,9 @@ def test_per_request_spec_metrics_in_response(adaflash):
         PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0)
     )
     sd = out[0].outputs[0].spec_decode_metrics
-    assert sd is not None and sd.num_spec_tokens == K and sum(sd.histogram) > 0
+    assert sd is not None and sd.num_spec_tokens == K
+    if adaflash["mode"] != "retire":  # there a request drafts in one round at most
+        assert sum(sd.histogram) > 0
 
 
 def test_sampling_distribution_matches(adaflash, baseline):
@@ -142,3 +152,50 @@ def test_prefix_cache_hits_like_plain(adaflash, baseline):
         assert got == want, f"pass {i}: outputs differ from plain vLLM"
         assert hits == want_hits, f"pass {i}: cached tokens {hits} vs plain {want_hits}"
     assert sum(baseline["long"][0][1]) == 0 and min(baseline["long"][1][1]) >= 256
+
+
+@pytest.mark.parametrize("adaflash", ["retire"], indirect=True)
+def test_retired_requests_verify_no_drafts(adaflash):
+    """Requests retired, and a follow-up whose prompt contains a retired request's
+    output (its prefix-cache hit takes blocks whose drafter K/V that request left
+    incomplete) is retired at admission and verifies no draft, even with
+    retirement off, while a prompt that hits only prompt blocks drafts. Runs
+    last in the `retire` engine: it turns retirement off there."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = adaflash["llm"]
+
+    def retired() -> dict:
+        return llm.collective_rpc("adaflash_budget_state")[0]["retired"]
+
+    state = retired()
+    assert state["retired_total"] > 0 and state["holey_blocks"] > 0, state
+    bs = state["block_size"]
+    greedy0 = SamplingParams(temperature=0.0, max_tokens=2 * bs + 4, ignore_eos=True)
+    first = llm.generate([PROMPTS[1]], greedy0, use_tqdm=False)[0]
+    turn = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+    llm.collective_rpc("adaflash_debug_retire", args=(False,))
+    llm.collective_rpc("adaflash_debug_draft_every", args=(1,))  # draft every step
+
+    def verified_drafts() -> int:  # the worker's count (rejection sampler)
+        hist = llm.collective_rpc("adaflash_sampler_stats")[0]["verify_hist"]
+        return sum(k * rounds for k, rounds in enumerate(hist))
+
+    def drafts_of(prompt) -> tuple[int, int]:
+        before = verified_drafts()
+        out = llm.generate(
+            [prompt],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        return verified_drafts() - before, out.num_cached_tokens
+
+    before = retired()["retired_on_hit"]
+    drafted, cached = drafts_of(TokensPrompt(prompt_token_ids=turn + turn[:3]))
+    assert cached > len(first.prompt_token_ids), "the follow-up missed its output"
+    assert retired()["retired_on_hit"] == before + 1
+    assert drafted == 0
+    drafted, _ = drafts_of(LONG_PROMPTS[0] + " A fresh ending.")
+    assert retired()["retired_on_hit"] == before + 1
+    assert drafted > 0  # a request that was not retired drafts (the test has power)
