@@ -20,6 +20,8 @@ Configurations (K = 7, the demo drafter):
     noctx        the same without writing the drafter's context K/V (what never
                  drafting costs besides that upkeep; `adaflash_debug_context_upkeep`)
     cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
+    retire       the same with `retire_when_skipping` (where skipping wins
+                 decisively, requests in decode drop the drafter's context upkeep)
     single       the same with one draft gate for every batch size
                  (`adaflash_debug_gate` with `per_batch_size: 0`)
 
@@ -46,6 +48,7 @@ _BENCH_NAME = {  # bench.configs names; plain and dflash are their own
     "noctx": "adaflash:fixed",  # and the context upkeep too
     "noskip": "adaflash:cost_aware",  # skip_drafting turned off below
     "cost_aware": "adaflash:cost_aware",
+    "retire": "adaflash:cost_aware",  # retire_when_skipping set below
     "single": "adaflash:cost_aware",  # one gate set over RPC
 }
 _RPC = {  # the calls each configuration gets once its server is up
@@ -71,6 +74,8 @@ def _config(config: str):
     spec = build_config(_BENCH_NAME.get(config, config), _setup()).speculative_config
     if config == "noskip":
         spec["adaflash"]["length"]["skip_drafting"] = False
+    if config == "retire":
+        spec["adaflash"]["length"]["retire_when_skipping"] = True
     return BenchConfig(name=config, speculative_config=spec)
 
 
@@ -104,11 +109,14 @@ def _rpc(server, method: str, args: list) -> dict | None:
         return json.loads(r.read() or b"null")
 
 
+def _budget_state(server) -> dict:
+    reply = _rpc(server, "adaflash_budget_state", []) or {}
+    return (reply.get("results") or [{}])[0] or {}
+
+
 def _gate_buckets(server) -> dict | None:
     """The draft gate's per-bucket state after the passes (None without a gate)."""
-    reply = _rpc(server, "adaflash_budget_state", []) or {}
-    state = (reply.get("results") or [{}])[0] or {}
-    return (state.get("draft_gate") or {}).get("buckets")
+    return (_budget_state(server).get("draft_gate") or {}).get("buckets")
 
 
 def _cpu_seconds(server) -> dict[str, float]:
@@ -214,6 +222,10 @@ def main() -> None:
                 )
                 print(line, flush=True)
         gates = {c: _gate_buckets(servers[c]) for c in configs if c in _BENCH_NAME}
+        for c in (c for c in configs if c in _BENCH_NAME):  # AdaFlash servers
+            retired = _budget_state(servers[c]).get("retired")
+            if retired is not None:  # retire_when_skipping's counts
+                print(f"{c:>10} retired: {json.dumps(retired)}", flush=True)
     finally:
         for server in servers.values():
             server.stop()
