@@ -599,6 +599,7 @@ class AdaFlashProposer(DFlashProposer):
             else np.zeros(n, dtype=bool)
         )
         if retired.retired:
+            retired.forget_finished(req_ids)
             drop |= np.fromiter((r in retired.retired for r in req_ids), bool, n)
         if not drop.any():
             return None
@@ -611,7 +612,6 @@ class AdaFlashProposer(DFlashProposer):
             [r for r, d in zip(req_ids, drop, strict=True) if d],
             slots[index.to(slots.device)].tolist(),
         )
-        retired.forget_finished(req_ids)
         return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
 
     def note_schedule(self, scheduler_output) -> None:
