@@ -294,6 +294,7 @@ def main() -> None:
                     for b, g in (block.get("buckets") or {}).items()
                 },
                 "budget_use": state.get("budget_use"),
+                "retired": state.get("retired"),  # retire_when_skipping's counts
                 # rounds by drafts verified (index j: j drafts), every step
                 "verify_hist": llm.collective_rpc("adaflash_sampler_stats")[0].get(
                     "verify_hist"
