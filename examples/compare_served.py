@@ -125,19 +125,11 @@ def _cpu_seconds(server) -> dict[str, float]:
     engine core; on a CPU build no other child does work)."""
     import psutil
 
+    from adaflash_vllm.bench.paired import cpu_seconds
+
     root = psutil.Process(server.proc.pid)
-    procs = {"api_server": [root], "engine_core": root.children(recursive=True)}
-    seconds = {}
-    for role, members in procs.items():
-        total = 0.0
-        for proc in members:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        seconds[role] = total
-    return seconds
+    below = {p.pid for p in root.children(recursive=True)}
+    return {"api_server": cpu_seconds({root.pid}), "engine_core": cpu_seconds(below)}
 
 
 def main() -> None:
