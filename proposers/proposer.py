@@ -433,6 +433,7 @@ class AdaFlashProposer(DFlashProposer):
             opened.last,
         )
         gate = self.draft_gate
+        retiring = _retired_in(self, batch)  # some request here verifies no draft
         started = self._write_deferred_context(gate, started)
         full = kwargs["num_speculative_tokens"]  # K (what the scheduler asked for)
         block = self.block_length
@@ -500,11 +501,7 @@ class AdaFlashProposer(DFlashProposer):
                     self.budget_policy.last_choice,
                     1e3 * (now - chose_at) + self._confidence_ms,
                 )
-            if (
-                gate is not None
-                and self.cost_model is not None
-                and not _retired_in(self, batch)
-            ):
+            if gate is not None and self.cost_model is not None and not retiring:
                 choice = self.budget_policy.last_choice
                 gate.record_draft(
                     num_reqs=num_reqs,
@@ -516,7 +513,7 @@ class AdaFlashProposer(DFlashProposer):
             self._remember_propose(
                 started, now, batch, True, last, num_drafts, opened.full_accept
             )
-        if self._budgets is not None and _retired_in(self, batch):
+        if self._budgets is not None and retiring:
             for req_id in self.retired.retired.intersection(req_ids):
                 self._budgets[req_id] = 0  # its drafter context has holes
         if num_drafts < full:  # the runner takes [B, K]; budgets stay <= L
