@@ -42,6 +42,22 @@ E3. `vllm.v1.engine.core.EngineCore.post_step`
     drafts, runs the original unchanged.
     Upstream: none filed. Delete if vLLM returns drafts with the step's output.
 
+E4. `vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks`
+    Why: with `length.retire_when_skipping`, retired requests leave KV cache
+    blocks whose drafter K/V has holes (retired_context.py). While the engine
+    no longer retires, a prefix-cache hit on such a block would leave the new
+    request unable to draft well, so the hit is cut there and those blocks leave
+    the prefix cache (the request recomputes them whole).
+    How: after the original, when the manager carries a `PrefixHoles` (the
+    AdaFlash scheduler sets `_adaflash_holes` on its own manager) whose
+    `first_hole` names a block of the hit in the drafter's group: evict the
+    hit's blocks with holes (`evict_blocks`) and return the hit truncated at
+    that block, aligned to every group's block size
+    (`truncate_computed_blocks`). Any other manager, and hits without holes,
+    are returned unchanged; so are hits with a shared-prefix boundary (sparse
+    retention groups, which AdaFlash does not run). Upstream: none. Delete
+    with `retire_when_skipping`.
+
 Worker (each worker process, AdaFlash only)
 
 W1. `vllm.v1.worker.gpu_model_runner.DFlashProposer` (module attribute)
@@ -70,7 +86,9 @@ W5. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens`
     the original; W5 attaches the result to the step's `ModelRunnerOutput`. Both
     are no-ops without the attribute. W4 also lets the proposer profile step cost
     (timed `_dummy_run`s) once before the first step, for `length.mode: cost_aware`.
-    W5 also attaches the draft gate's counters and, with one batch in flight
+    W5 also attaches the draft gate's counters (and the changes to the blocks
+    whose drafter K/V retired requests left incomplete, for E4) and, with one
+    batch in flight
     (sync scheduling, no pipeline parallelism), the step's drafts (taken through
     W2, kept so that a later `take_draft_token_ids` returns the same ones; E3).
     Upstream: vLLM's draft weight update API
@@ -197,9 +215,10 @@ def revert_all() -> None:
 
 
 def apply_engine_patches() -> None:
-    """E1-E3. Idempotent."""
+    """E1-E4. Idempotent."""
     _check_version()
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.engine.core import EngineCore
 
     if not is_applied("E1"):
@@ -217,6 +236,17 @@ def apply_engine_patches() -> None:
     if not is_applied("E3"):
         orig = _check_signature(EngineCore, "post_step", ("self", "model_executed"))
         _install("E3", EngineCore, "post_step", _wrap_post_step(orig))
+    if not is_applied("E4"):
+        orig = _check_signature(KVCacheManager, "get_computed_blocks", ("self", "request"))
+        _check_signature(KVCacheManager, "evict_blocks", ("self", "block_ids"))
+        _check_signature(
+            KVCacheManager,
+            "truncate_computed_blocks",
+            ("self", "blocks", "num_computed_tokens"),
+        )
+        _install(
+            "E4", KVCacheManager, "get_computed_blocks", _wrap_get_computed_blocks(orig)
+        )
 
 
 def _wrap_post_step(orig: Callable) -> Callable:
@@ -227,6 +257,26 @@ def _wrap_post_step(orig: Callable) -> Callable:
         return orig(self, model_executed)
 
     return post_step
+
+
+def _wrap_get_computed_blocks(orig: Callable) -> Callable:
+    def get_computed_blocks(self, request):
+        blocks, num_tokens, boundary = orig(self, request)
+        holes = getattr(self, "_adaflash_holes", None)
+        if holes is None or not holes.cutting or num_tokens == 0 or boundary:
+            return blocks, num_tokens, boundary
+        hit = blocks.blocks[holes.gid]
+        first = holes.first_hole([block.block_id for block in hit])
+        if first is None:
+            return blocks, num_tokens, boundary
+        holey = holes.blocks
+        self.evict_blocks({b.block_id for b in hit[first:] if b.block_id in holey})
+        keep = first * holes.block_size // holes.align * holes.align
+        holes.cut_requests += 1
+        holes.cut_tokens += num_tokens - keep
+        return self.truncate_computed_blocks(blocks, keep), keep, 0
+
+    return get_computed_blocks
 
 
 _CLI_MODE = False  # set once the patched parser ran: errors then exit cleanly
@@ -499,6 +549,9 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
             output.adaflash_gate = gate_counters(
                 gate, getattr(drafter, "retired", None)
             )
+            holes = drafter.take_holes()
+            if holes is not None:  # retired_context.py: for E4
+                output.adaflash_holes = holes
         if (
             output is not None
             and hasattr(drafter, "take_budgets")

@@ -23,6 +23,7 @@ from adaflash_vllm.admission import AdmissionControl
 from adaflash_vllm.config import config_from_additional, runtime_from_additional
 from adaflash_vllm.metrics import RoundStats, StatsPublisher
 from adaflash_vllm.online_engine import OnlineController
+from adaflash_vllm.proposers.retired_context import PrefixHoles
 
 logger = init_logger(__name__)
 
@@ -69,9 +70,28 @@ class AdaFlashScheduler(Scheduler):
             if self.adaflash is not None and self.adaflash.online.enabled
             else None
         )
+        # Blocks whose drafter K/V retired requests left incomplete: hits on them
+        # are cut while the engine does not retire (patches.py E4).
+        self.holes = self._prefix_holes() if self.adaflash is not None else None
         if self._publisher is not None:  # /metrics shows zeros before any traffic
             self._publisher.maybe_publish(self.round_stats, force=True)
         logger.info("AdaFlash scheduler active (K=%d, config %s)", k, self.adaflash)
+
+    def _prefix_holes(self) -> PrefixHoles | None:
+        manager = getattr(self, "kv_cache_manager", None)
+        groups = self.kv_cache_config.kv_cache_groups
+        if manager is None or not groups:
+            return None
+        holes = PrefixHoles(
+            [
+                g.kv_cache_spec.block_size
+                if getattr(g.kv_cache_spec, "prefix_cacheable", True)
+                else None
+                for g in groups
+            ]
+        )
+        manager._adaflash_holes = holes
+        return holes
 
     @override
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
@@ -117,6 +137,11 @@ class AdaFlashScheduler(Scheduler):
             self._took_drafts = True
         self._gate = getattr(model_runner_output, "adaflash_gate", None) or self._gate
         extra = dict(self._gate)
+        holes = getattr(model_runner_output, "adaflash_holes", None)
+        if holes is not None and self.holes is not None:
+            self.holes.update(*holes)
+        if self.holes is not None and "retired_requests" in extra:
+            extra.update(self.holes.counters())
         if self.admission is not None:
             self.admission.end_step(len(before))
             extra.update(self.admission.gauges())

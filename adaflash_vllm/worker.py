@@ -143,10 +143,11 @@ class AdaFlashWorkerExtension:
 
     def adaflash_debug_retire(self, enable: bool, always: bool = False) -> None:
         """Tests and measurements: turn `length.retire_when_skipping` on or off
-        (needs a draft gate); with `always`, every skipped step retires its
-        requests in decode, whether or not the gate skips decisively. Off, no
-        request retires any more; those retired stay so, and hits on the blocks
-        they left incomplete still retire a new request."""
+        (needs a draft gate); with `always`, the engine retires at every batch
+        size, whether or not the gate skips decisively (every skipped step
+        retires its requests). Off, no request retires any more; those retired
+        stay so, and once a step has told the scheduler (its output), prefix
+        hits on the blocks they left incomplete are cut there (patches.py E4)."""
         drafter = self.model_runner.drafter
         if getattr(drafter, "draft_gate", None) is None:
             raise ValueError("no draft gate runs (cost_aware with skip_drafting)")

@@ -164,6 +164,12 @@ class DraftGate:
     # exploration ended while held
     held: bool = False
     held_settled: bool = False
+    # A check of drafting is due but waits (`should_draft(can_check=False)`: the
+    # batch holds requests retired from drafting, retired_context.py, whose
+    # budget-0 rows would make the round measure neither mode); the proposer
+    # retires no new request meanwhile, so the batch clears and the check runs.
+    check_waiting: bool = False
+    check_waits: int = 0  # steps a check waited
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
@@ -171,10 +177,15 @@ class DraftGate:
         self.skip_plain_ms = RatioEMA(self.ema)
         self.rate_moments = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}
 
-    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
+    def should_draft(
+        self, num_reqs: int, plain_ms: float | None = None, can_check: bool = True
+    ) -> bool:
         """Called once per step before proposing. `plain_ms`: the step-cost
-        curve at `num_reqs` tokens (None: no curve; skipping is then explored)."""
+        curve at `num_reqs` tokens (None: no curve; skipping is then explored).
+        `can_check` False: while skipping, a due check of drafting waits (see
+        `check_waiting`) instead of starting."""
         self.step += 1
+        self.check_waiting = False
         self.plain_ms = plain_ms if plain_ms is not None and plain_ms > 0 else None
         if not 3 * self.slow_batch <= 4 * num_reqs <= 5 * self.slow_batch:
             # The batch moved by more than a quarter: rates are not comparable.
@@ -191,6 +202,12 @@ class DraftGate:
         elif self.step == self.exploring_until:
             self._settle()
             draft = self.drafting
+        elif not self.drafting and not can_check and self._check_of_drafting_due(
+            num_reqs
+        ):
+            self.check_waiting = True
+            self.check_waits += 1
+            draft = False
         elif not self.drafting and 4 * num_reqs <= 3 * self.switch_batch:
             self._explore(num_reqs, "batch_shrank")  # drafting may pay again
             draft = True
@@ -213,6 +230,13 @@ class DraftGate:
         self.drafted_steps += draft
         self.skipped_steps += not draft
         return draft
+
+    def _check_of_drafting_due(self, num_reqs: int) -> bool:
+        """While skipping: whether this step would start a check of drafting
+        (the batch shrank by a quarter, or an exploration is due and worth it)."""
+        if 4 * num_reqs <= 3 * self.switch_batch:
+            return True
+        return bool(self._exploration_due()) and self._worth_exploring()
 
     def record_round(self, *, drafted: bool, tokens: float, ms: float) -> None:
         """The round of the previous step: whether it drafted, the tokens its
@@ -496,6 +520,7 @@ class DraftGate:
             "model_ratio": self.model_ratio,
             "context_ms": self.context_ms,
             "held": self.held,
+            "check_waits": self.check_waits,
             "explorations": dict(self.explorations),
             "switches": self.switches,
             "predicted_checks": dict(self.predicted_checks),
@@ -538,7 +563,9 @@ class BatchSizeGates:
     last_skip: DraftGate | None = None  # the bucket of the last skipped step
     switched: bool = False  # the last should_draft switched its bucket's mode
 
-    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
+    def should_draft(
+        self, num_reqs: int, plain_ms: float | None = None, can_check: bool = True
+    ) -> bool:
         bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
         gate = self.gates.get(bucket)
         held = self.per_batch_size and any(
@@ -556,7 +583,7 @@ class BatchSizeGates:
         gate.held = held
         self.current = gate
         following = gate.drafting
-        draft = gate.should_draft(num_reqs, plain_ms)
+        draft = gate.should_draft(num_reqs, plain_ms, can_check)
         self.switched = gate.drafting != following
         if not draft:
             self.last_skip = gate
@@ -643,7 +670,9 @@ class ScriptedDraftGate:
         self.draft_every = draft_every
         self.step = self.drafted_steps = self.skipped_steps = 0
 
-    def should_draft(self, num_reqs: int, plain_ms: float | None = None) -> bool:
+    def should_draft(
+        self, num_reqs: int, plain_ms: float | None = None, can_check: bool = True
+    ) -> bool:
         self.step += 1
         draft = self.step % self.draft_every == 0
         self.drafted_steps += draft

@@ -183,6 +183,7 @@ class AdaFlashProposer(DFlashProposer):
         self.retire_when_skipping = False
         self.retire_always = False  # debug: retire on every skipped step
         self.retired: RetiredContext | None = None
+        self._holes_retiring = False  # `retiring` as last sent (take_holes)
         self._budgets: dict[str, int] | None = None
         self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -362,7 +363,10 @@ class AdaFlashProposer(DFlashProposer):
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
             cost = self.cost_model
             draft = gate.should_draft(
-                num_reqs, plain_ms=cost(num_reqs) if cost is not None else None
+                num_reqs,
+                plain_ms=cost(num_reqs) if cost is not None else None,
+                # a round with retired requests (budget 0) measures neither mode
+                can_check=not _retired_in(self, batch),
             )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
@@ -551,7 +555,9 @@ class AdaFlashProposer(DFlashProposer):
         slots = common_attn_metadata.slot_mapping[:num_context]
         if self.retire_when_skipping:
             kept = self._retire_rows(req_ids, common_attn_metadata, slots)
-            if kept is not None:  # some rows retired: upkeep for the rest only
+            if kept is not None and kept.numel() == 0:  # every row retired
+                states = states[:0]
+            elif kept is not None:  # some rows retired: upkeep for the rest only
                 states, positions, slots = states[kept], positions[kept], slots[kept]
         if self.context_upkeep and states.shape[0] > 0:
             self._deferred.add(
@@ -572,44 +578,70 @@ class AdaFlashProposer(DFlashProposer):
         self, req_ids: list[str], cad, slots: torch.Tensor
     ) -> torch.Tensor | None:
         """`length.retire_when_skipping` on a skipped step: which context tokens
-        still get the drafter's K/V. Where the gate skips decisively at this
-        batch size, requests in decode retire (their upkeep stops, they draft no
-        more); prompt tokens keep theirs, and requests already retired get none.
+        still get the drafter's K/V. Where the engine retires (`_retiring_now`),
+        every request of the step retires (its upkeep stops, it drafts no more),
+        in its prompt or in decode; requests already retired get none anywhere.
         Returns the kept token indices, or None to keep every token."""
         retired = self.retired
         if retired is None:
             retired = self.retired = RetiredContext(self.block_size)
-        current = getattr(self.draft_gate, "current", None)
-        now = self.retire_always or (
-            current is not None
-            and not current.drafting
-            # held: a smaller batch's gate skips decisively (draft_gate.py)
-            and (current.held or current.skips_decisively())
-        )
-        if not now and not retired.retired:
+        total = slots.shape[0]
+        if self._retiring_now():  # every row (the steady state under load)
+            if retired.retired:
+                retired.forget_finished(req_ids)
+            retired.dropped_tokens += total
+            retired.retire(req_ids, slots.tolist())
+            return slots.new_empty(0, dtype=torch.long)
+        if not retired.retired:
+            retired.kept_tokens += total
             return None
+        retired.forget_finished(req_ids)
         n = len(req_ids)
-        batch = self._runner.input_batch
-        drop = (
-            batch.num_computed_tokens_cpu[:n] >= batch.num_prompt_tokens[:n]
-            if now  # rows past their prompt (the step's tokens are generated ones)
-            else np.zeros(n, dtype=bool)
-        )
-        if retired.retired:
-            retired.forget_finished(req_ids)
-            drop |= np.fromiter((r in retired.retired for r in req_ids), bool, n)
-        if not drop.any():
-            return None
+        drop = np.fromiter((r in retired.retired for r in req_ids), bool, n)
         counts = np.diff(cad.query_start_loc_cpu[: n + 1].numpy())
-        if counts.sum() != slots.shape[0]:
-            return None  # rows and tokens disagree (not a layout this knows)
+        if not drop.any() or counts.sum() != total:  # (else: a layout unknown here)
+            retired.kept_tokens += total
+            return None
         dropped_tokens = np.repeat(drop, counts)
-        index = torch.from_numpy(np.flatnonzero(dropped_tokens))
+        index = np.flatnonzero(dropped_tokens)
+        retired.kept_tokens += total - len(index)
+        retired.dropped_tokens += len(index)
         retired.retire(
             [r for r, d in zip(req_ids, drop, strict=True) if d],
-            slots[index.to(slots.device)].tolist(),
+            slots[torch.from_numpy(index).to(slots.device)].tolist(),
         )
         return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
+
+    def _retiring_now(self) -> bool:
+        """Whether the engine retires requests now: at a batch size whose gate
+        follows skipping and skips decisively or is held to it by a smaller
+        batch's (draft_gate.py), unless a check of drafting waits for the batch
+        to clear of retired requests."""
+        if not self.retire_when_skipping:
+            return False
+        if self.retire_always:
+            return True
+        current = getattr(self.draft_gate, "current", None)
+        return (
+            current is not None
+            and not current.drafting
+            and (current.held or current.skips_decisively())
+            and not current.check_waiting
+        )
+
+    def take_holes(self) -> tuple[bool, int, frozenset, frozenset] | None:
+        """For the scheduler's `PrefixHoles` (patches.py W5, E4): (retiring, the
+        drafter's KV cache group, block ids that got holes, block ids that lost
+        them) when any changed since the last step; else None."""
+        retired = self.retired
+        if retired is None:
+            return None
+        retiring = self._retiring_now()
+        added, removed = retired.take_changes()
+        if not added and not removed and retiring == self._holes_retiring:
+            return None
+        self._holes_retiring = retiring
+        return retiring, max(self.kv_cache_gid, 0), added, removed
 
     def note_schedule(self, scheduler_output) -> None:
         """Before the step runs (patches.py W4): the blocks vLLM allocated this

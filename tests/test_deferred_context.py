@@ -110,7 +110,10 @@ def _retiring_proposer(decisive: bool):
         draft_gate=types.SimpleNamespace(
             record_skip=lambda ms: None,
             current=types.SimpleNamespace(
-                drafting=False, held=False, skips_decisively=lambda: decisive
+                drafting=False,
+                held=False,
+                check_waiting=False,
+                skips_decisively=lambda: decisive,
             ),
         ),
         device=torch.device("cpu"),
@@ -124,6 +127,7 @@ def _retiring_proposer(decisive: bool):
         ),
     )
     proposer._retire_rows = lambda *a: AdaFlashProposer._retire_rows(proposer, *a)
+    proposer._retiring_now = lambda: AdaFlashProposer._retiring_now(proposer)
     return proposer
 
 
@@ -143,15 +147,14 @@ def _skip_step(proposer, req_ids):
     )
 
 
-def test_a_decisive_skip_retires_requests_in_decode_and_keeps_prompts():
-    """Where the gate skips decisively, the decode rows' context is not queued
-    (their requests retire, their blocks hold holes); the prompt's is."""
+def test_a_decisive_skip_retires_every_request_of_the_step():
+    """Where the gate skips decisively, no row's context is queued, prompts'
+    included (their requests retire, their blocks hold holes)."""
     proposer = _retiring_proposer(decisive=True)
     _skip_step(proposer, ["p", "d1", "d2"])
-    assert proposer._deferred.tokens == 3
-    assert torch.cat(proposer._deferred.slots).tolist() == [40, 41, 42]
-    assert proposer.retired.retired == {"d1", "d2"}
-    assert proposer.retired.holey == {2, 3}  # slots 9 and 13, blocks of 4
+    assert proposer._deferred.tokens == 0
+    assert proposer.retired.retired == {"p", "d1", "d2"}
+    assert proposer.retired.holey == {10, 2, 3}  # slots 40-42, 9, 13: blocks of 4
     assert proposer._budgets == {"p": 0, "d1": 0, "d2": 0}
 
 
@@ -162,7 +165,7 @@ def test_retired_requests_stay_without_upkeep_once_skipping_is_not_decisive():
     proposer._deferred = _DeferredContext()
     proposer.retired.retired.discard("d2")  # as if d2 had not been retired
     _skip_step(proposer, ["p", "d1", "d2"])
-    assert torch.cat(proposer._deferred.slots).tolist() == [40, 41, 42, 13]
+    assert torch.cat(proposer._deferred.slots).tolist() == [13]
 
 
 def test_no_retirement_while_skipping_is_not_decisive():
@@ -183,4 +186,28 @@ def test_a_bucket_held_to_skipping_retires_too():
     assert not proposer.retired.retired
     proposer.draft_gate.current.drafting = False
     _skip_step(proposer, ["p", "d1", "d2"])
-    assert proposer.retired.retired == {"d1", "d2"}
+    assert proposer.retired.retired == {"p", "d1", "d2"}
+
+
+def test_no_new_retirement_while_a_check_of_drafting_waits():
+    """A check of drafting waits for a batch without retired requests
+    (draft_gate.py `check_waiting`): meanwhile nobody new retires, so the batch
+    clears; the requests already retired stay without upkeep."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    proposer.retired.retired.discard("d2")  # as if d2 had not been retired
+    proposer._deferred = _DeferredContext()
+    proposer.draft_gate.current.check_waiting = True
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert torch.cat(proposer._deferred.slots).tolist() == [13]
+    assert proposer.retired.retired == {"p", "d1"}
+
+
+def test_upkeep_tokens_kept_and_dropped_are_counted():
+    proposer = _retiring_proposer(decisive=False)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert proposer.retired.to_dict()["upkeep_kept_tokens"] == 5
+    proposer.draft_gate.current.skips_decisively = lambda: True
+    _skip_step(proposer, ["p", "d1", "d2"])
+    state = proposer.retired.to_dict()
+    assert state["upkeep_kept_tokens"] == 5 and state["upkeep_dropped_tokens"] == 5

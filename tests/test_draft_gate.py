@@ -101,6 +101,31 @@ def test_shrinking_batch_explores_drafting_at_once():
     assert gate.should_draft(20)  # a quarter fewer requests than at the switch
 
 
+def test_a_check_of_drafting_waits_while_it_cannot_measure():
+    """`can_check=False` (the batch holds requests retired from drafting): a due
+    check of drafting does not start, and `check_waiting` says so; it starts at
+    the first step that can measure. Drafting, and checks of skipping, are not
+    held back."""
+    gate = DraftGate(min_interval=8)
+    _serve(gate, 100, draft_rate=1.0, skip_rate=1.5)
+    assert not gate.drafting
+    assert not gate.should_draft(20, can_check=False)  # the batch shrank: due
+    assert gate.check_waiting and gate.check_waits == 1
+    assert not gate.should_draft(20, can_check=False)
+    assert gate.should_draft(20)  # the batch cleared: the check starts
+    assert not gate.check_waiting and gate.to_dict()["check_waits"] == 2
+    steady = DraftGate(min_interval=8)
+    _serve(steady, 100, draft_rate=1.0, skip_rate=1.5)
+    waited = [steady.should_draft(30, can_check=False) for _ in range(600)]
+    assert not any(waited) and steady.check_waits > 0  # backoffs came due
+    assert steady.should_draft(30)  # the one due waited; now it runs
+    drafting = DraftGate(min_interval=8)
+    _serve(drafting, 50, draft_rate=1.5, skip_rate=1.0)
+    assert drafting.drafting
+    assert drafting.should_draft(30, can_check=False)
+    assert not drafting.check_waiting
+
+
 def test_context_time_ema():
     gate = DraftGate(ema=0.5)
     gate.record_skip(2.0)

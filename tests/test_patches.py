@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_engine_patches_applied_by_plugin():
-    """Loading vLLM's plugins applies E1-E3 and wraps the right functions."""
+    """Loading vLLM's plugins applies E1-E4 and wraps the right functions."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    assert all(patches.is_applied(p) for p in ("E1", "E2", "E3"))
+    assert all(patches.is_applied(p) for p in ("E1", "E2", "E3", "E4"))
     assert EngineArgs.create_engine_config.__name__ == "create_engine_config"
     assert "accepting_paths" in EngineArgs.add_cli_args.__name__
 

@@ -2,7 +2,7 @@
 KV cache blocks therefore hold holes a prefix-cache hit must not pass on."""
 
 import pytest
-from adaflash_vllm.proposers.retired_context import RetiredContext
+from adaflash_vllm.proposers.retired_context import PrefixHoles, RetiredContext
 
 BS = 4  # tokens per block
 
@@ -71,9 +71,53 @@ def test_no_holes_means_admit_changes_nothing():
         "retired_total": 0,
         "retired_on_hit": 0,
         "holey_blocks": 0,
+        "upkeep_kept_tokens": 0,
+        "upkeep_dropped_tokens": 0,
     }
 
 
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError, match="block_size"):
         RetiredContext(0)
+
+
+def test_changes_reach_the_scheduler_once_and_net():
+    """`take_changes` gives the blocks that got holes and those that lost them
+    since the last call; a block that got and lost them in between is in
+    neither net set's wrong side."""
+    rc = RetiredContext(BS)
+    rc.retire(["a"], [4, 20])  # blocks 1 and 5
+    assert rc.take_changes() == ({1, 5}, set())
+    assert rc.take_changes() == (set(), set())
+    rc.fresh([5])
+    rc.retire(["b"], [36])  # block 9
+    rc.retire(["c"], [21])  # block 5 again
+    assert rc.take_changes() == ({9, 5}, set())
+    rc.admit("d", [1, 9], num_cached=0)  # both given afresh
+    assert rc.take_changes() == (set(), {1, 9})
+    assert rc.holey == {5}
+
+
+def test_prefix_holes_mirror_the_worker_and_cut_only_while_not_retiring():
+    holes = PrefixHoles([BS])
+    rc = RetiredContext(BS)
+    rc.retire(["a"], [8, 12])  # blocks 2 and 3
+    holes.update(True, 0, *rc.take_changes())
+    assert holes.blocks == {2, 3}
+    assert holes.first_hole([7, 2, 3]) is None  # retiring: the hit retires
+    holes.update(False, 0, frozenset(), frozenset())
+    assert holes.first_hole([7, 2, 3]) == 1
+    assert holes.first_hole([7, 6]) is None  # a hit without holes stays whole
+    rc.fresh([2])
+    holes.update(False, 0, *rc.take_changes())
+    assert holes.blocks == {3}
+    assert holes.first_hole([7, 2, 3]) == 2
+
+
+def test_prefix_holes_align_cuts_to_every_group():
+    holes = PrefixHoles([16, None, 32])
+    assert holes.align == 32 and holes.block_size == 16
+    holes.update(False, 2, frozenset(), frozenset())
+    assert holes.gid == 2 and holes.block_size == 32
+    with pytest.raises(ValueError, match="prefix-cached group"):
+        PrefixHoles([None])

@@ -155,12 +155,16 @@ def test_prefix_cache_hits_like_plain(adaflash, baseline):
 
 
 @pytest.mark.parametrize("adaflash", ["retire"], indirect=True)
-def test_retired_requests_verify_no_drafts(adaflash):
-    """Requests retired, and a follow-up whose prompt contains a retired request's
-    output (its prefix-cache hit takes blocks whose drafter K/V that request left
-    incomplete) is retired at admission and verifies no draft, even with
-    retirement off, while a prompt that hits only prompt blocks drafts. Runs
-    last in the `retire` engine: it turns retirement off there."""
+def test_retired_blocks_retire_hits_then_are_recomputed(adaflash):
+    """Requests retired (here every skipped step retires its requests, prompts
+    included). While the engine retires, a follow-up whose prompt holds a
+    retired request's output (its prefix-cache hit takes blocks whose drafter
+    K/V has holes) is retired at admission and verifies no draft, with the hit
+    plain vLLM would have. Once it no longer retires, the same follow-up's hit
+    is cut before those blocks, which leave the prefix cache (patches.py E4):
+    it recomputes them, drafts, and emits the same tokens; the next such
+    follow-up hits the complete blocks that wrote and drafts. Runs last in the
+    `retire` engine: it turns retirement off there."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -175,27 +179,38 @@ def test_retired_requests_verify_no_drafts(adaflash):
     greedy0 = SamplingParams(temperature=0.0, max_tokens=2 * bs + 4, ignore_eos=True)
     first = llm.generate([PROMPTS[1]], greedy0, use_tqdm=False)[0]
     turn = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
-    llm.collective_rpc("adaflash_debug_retire", args=(False,))
+    follow_up = TokensPrompt(prompt_token_ids=turn + turn[:3])
     llm.collective_rpc("adaflash_debug_draft_every", args=(1,))  # draft every step
 
     def verified_drafts() -> int:  # the worker's count (rejection sampler)
         hist = llm.collective_rpc("adaflash_sampler_stats")[0]["verify_hist"]
         return sum(k * rounds for k, rounds in enumerate(hist))
 
-    def drafts_of(prompt) -> tuple[int, int]:
+    def run(prompt) -> tuple[int, int, list[int]]:
         before = verified_drafts()
         out = llm.generate(
             [prompt],
             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
             use_tqdm=False,
         )[0]
-        return verified_drafts() - before, out.num_cached_tokens
+        drafted = verified_drafts() - before
+        return drafted, out.num_cached_tokens, list(out.outputs[0].token_ids)
 
-    before = retired()["retired_on_hit"]
-    drafted, cached = drafts_of(TokensPrompt(prompt_token_ids=turn + turn[:3]))
+    on_hit = retired()["retired_on_hit"]
+    drafted, cached, tokens = run(follow_up)  # retiring: the hit retires it
     assert cached > len(first.prompt_token_ids), "the follow-up missed its output"
-    assert retired()["retired_on_hit"] == before + 1
+    assert retired()["retired_on_hit"] == on_hit + 1
     assert drafted == 0
-    drafted, _ = drafts_of(LONG_PROMPTS[0] + " A fresh ending.")
-    assert retired()["retired_on_hit"] == before + 1
-    assert drafted > 0  # a request that was not retired drafts (the test has power)
+    assert metrics(llm).get("vllm:adaflash_retired_prefix_cuts", 0) == 0
+
+    llm.collective_rpc("adaflash_debug_retire", args=(False,))
+    fresh, _, _ = run("Nothing here was served before, not a word of it.")
+    assert fresh > 0  # this step's output told the scheduler: no longer retiring
+    drafted, cut, again = run(follow_up)
+    assert again == tokens  # lossless either way
+    assert cut < cached and cut % bs == 0, (cut, cached)
+    assert retired()["retired_on_hit"] == on_hit + 1  # not retired this time
+    assert drafted > 0
+    assert metrics(llm)["vllm:adaflash_retired_prefix_cuts"] >= 1
+    drafted, hit, third = run(follow_up)  # the blocks it recomputed are cached
+    assert third == tokens and hit == cached and drafted > 0
