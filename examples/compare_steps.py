@@ -37,7 +37,8 @@ and `no_draft:noctx` / `no_draft:nobook`: never drafting with the drafter's
 context K/V upkeep off / with the AdaFlash scheduler's per-round bookkeeping
 off (measurements only: what each part of a skipped step costs).
 Prints, per configuration, its tok/s over its own steps and the ratio to plain
-(AdaFlash ones also to each `dflash[:K]` and `no_draft` that ran) as the mean
+(AdaFlash ones also to each `dflash[:K]` and `no_draft` that ran, AdaFlash
+variants to `adaflash`) as the mean
 over blocks of `--block` steps with a 95% interval; the median time of steps at
 the full batch that ran no new prompt, and of those that did; at one request
 also the ratio per request (the same request's time in each engine: engines that
@@ -74,10 +75,12 @@ _BLOCK_KEYS = ("length", "trials", "switches", "undecided", "extended")
 
 def _compared(name: str, base: str) -> bool:
     """Every configuration against plain; AdaFlash ones against every DFlash K
-    and `no_draft` too, other DFlash Ks against `dflash` (K = 7) and no_draft
-    variants against `no_draft`."""
+    and `no_draft` too, AdaFlash variants against `adaflash`, other DFlash Ks
+    against `dflash` (K = 7) and no_draft variants against `no_draft`."""
     if name == base:
         return False
+    if base == "adaflash":
+        return name.startswith("adaflash:")
     if base == "plain" or name.startswith("adaflash"):
         return True
     if base == "no_draft":
@@ -240,7 +243,9 @@ def main() -> None:
             f"{e['median_step_ms_new_prompt'] or nan:.2f} ms with one"
         )
     bases = ["plain"] + [
-        b for b in configs if b.startswith("dflash") or b == "no_draft"
+        b
+        for b in configs
+        if b.startswith("dflash") or b in ("no_draft", "adaflash")
     ]
     pairs = [(n, b) for b in bases for n in configs if _compared(n, b)]
     for name, base in pairs:
