@@ -163,7 +163,7 @@ def test_retired_blocks_retire_hits_then_are_recomputed(adaflash):
     plain vLLM would have. Once it no longer retires, the same follow-up's hit
     is cut before those blocks, which leave the prefix cache (patches.py E4):
     it recomputes them, drafts, and emits the same tokens; the next such
-    follow-up hits the complete blocks that wrote and drafts. Runs last in the
+    follow-up hits the complete blocks it wrote, and drafts. Runs last in the
     `retire` engine: it turns retirement off there."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
