@@ -46,7 +46,7 @@ DEMO = Path(__file__).resolve().parent / "demo"
 _ADAFLASH_VARIANTS = {
     "adaptive_block": {"adaptive_block": True},
     "noskip": {"skip_drafting": False},
-    "retire": {"retire_when_skipping": True},  # requests in decode retire
+    "retire": {"retire_when_skipping": True},  # requests retire where skipping wins
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)

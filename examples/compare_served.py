@@ -21,7 +21,7 @@ Configurations (K = 7, the demo drafter):
                  drafting costs besides that upkeep; `adaflash_debug_context_upkeep`)
     cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
     retire       the same with `retire_when_skipping` (where skipping wins
-                 decisively, requests in decode drop the drafter's context upkeep)
+                 decisively, requests drop the drafter's context upkeep)
     single       the same with one draft gate for every batch size
                  (`adaflash_debug_gate` with `per_batch_size: 0`)
 

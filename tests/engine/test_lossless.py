@@ -36,8 +36,8 @@ def adaflash(request, tiny):
     (the steps between verify 0 drafts, as skip_drafting does). `short_blocks`:
     debug_ragged budgets with the drafter run on blocks of 1, 2, ..., K slots in
     turn (as adaptive_block does under load). `retire`: `skips` with every
-    skipped step retiring its requests in decode (`retire_when_skipping`: no
-    more context upkeep, no more drafts for them)."""
+    skipped step retiring its requests, prompts included
+    (`retire_when_skipping`: no more context upkeep, no more drafts for them)."""
     mode = request.param
     length = "debug_ragged" if mode in ("skips", "short_blocks", "retire") else mode
     spec = tiny.spec(k=K, adaflash={"length": {"mode": length}})
