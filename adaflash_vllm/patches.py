@@ -237,7 +237,9 @@ def apply_engine_patches() -> None:
         orig = _check_signature(EngineCore, "post_step", ("self", "model_executed"))
         _install("E3", EngineCore, "post_step", _wrap_post_step(orig))
     if not is_applied("E4"):
-        orig = _check_signature(KVCacheManager, "get_computed_blocks", ("self", "request"))
+        orig = _check_signature(
+            KVCacheManager, "get_computed_blocks", ("self", "request")
+        )
         _check_signature(KVCacheManager, "evict_blocks", ("self", "block_ids"))
         _check_signature(
             KVCacheManager,

@@ -243,9 +243,7 @@ def main() -> None:
             f"{e['median_step_ms_new_prompt'] or nan:.2f} ms with one"
         )
     bases = ["plain"] + [
-        b
-        for b in configs
-        if b.startswith("dflash") or b in ("no_draft", "adaflash")
+        b for b in configs if b.startswith("dflash") or b in ("no_draft", "adaflash")
     ]
     pairs = [(n, b) for b in bases for n in configs if _compared(n, b)]
     for name, base in pairs:

@@ -202,8 +202,10 @@ class DraftGate:
         elif self.step == self.exploring_until:
             self._settle()
             draft = self.drafting
-        elif not self.drafting and not can_check and self._check_of_drafting_due(
-            num_reqs
+        elif (
+            not self.drafting
+            and not can_check
+            and self._check_of_drafting_due(num_reqs)
         ):
             self.check_waiting = True
             self.check_waits += 1

@@ -396,13 +396,17 @@ class AdaFlashProposer(DFlashProposer):
         if opened.draft:
             self._opened = opened
             return None
-        positions, features = context()
+        if self._retiring_now():  # every row retires: no context is read
+            positions = features = None
+        else:
+            positions, features = context()
         self._skip_drafting(
             opened,
             num_speculative_tokens=num_speculative_tokens,
             target_positions=positions,
             target_hidden_states=features,
             common_attn_metadata=common_attn_metadata,
+            num_context=num_tokens,
         )
         # The runner's own placeholder form: nothing is copied back or read
         # (every budget is 0: `take_draft_token_ids` returns None, W2).
@@ -531,9 +535,10 @@ class AdaFlashProposer(DFlashProposer):
         opened: _Opened,
         *,
         num_speculative_tokens: int,
-        target_positions: torch.Tensor,  # [T]
-        target_hidden_states: torch.Tensor,  # [T, aux layers * target hidden]
+        target_positions: torch.Tensor | None,  # [T]
+        target_hidden_states: torch.Tensor | None,  # [T, aux layers * hidden]
         common_attn_metadata,  # of the drafter's KV cache group
+        num_context: int | None = None,  # T, where the tensors are None
         **_unused,
     ) -> None:
         """A step without a draft (see draft_gate.py): queue this step's context
@@ -545,21 +550,24 @@ class AdaFlashProposer(DFlashProposer):
         The T context tokens are every token the target just processed (rejected
         drafts included, as `set_inputs_first_pass` takes them); their cache slots
         are the drafter group's slot mapping for this step. The query block's
-        inputs that it also builds are not needed."""
+        inputs that it also builds are not needed. Where the engine retires
+        every row (`_retiring_now`), the caller passes no positions or features
+        (they are never read), only `num_context`."""
         req_ids, last = opened.req_ids, opened.last
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
-        num_context = target_hidden_states.shape[0]
         states = target_hidden_states  # [T, ...]: one row per context token
-        positions = target_positions[:num_context]
+        if states is not None:
+            num_context = states.shape[0]
+            positions = target_positions[:num_context]
         slots = common_attn_metadata.slot_mapping[:num_context]
         if self.retire_when_skipping:
             kept = self._retire_rows(req_ids, common_attn_metadata, slots)
             if kept is not None and kept.numel() == 0:  # every row retired
-                states = states[:0]
+                states = None
             elif kept is not None:  # some rows retired: upkeep for the rest only
                 states, positions, slots = states[kept], positions[kept], slots[kept]
-        if self.context_upkeep and states.shape[0] > 0:
+        if self.context_upkeep and states is not None and states.shape[0] > 0:
             self._deferred.add(
                 states,
                 positions,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable
 
-
 _NO_BLOCKS: frozenset[int] = frozenset()
 
 
