@@ -62,9 +62,9 @@ class LengthConfig(_Struct):
     # for their time, per batch-size bucket, from measured round times and
     # per-position acceptance (block_length.py).
     retire_when_skipping: bool = False
-    # cost_aware with skip_drafting: where the gate skips decisively, requests in
-    # decode stop keeping the drafter's context K/V (its per-token upkeep) and
-    # verify no draft for the rest of their life; prompts keep it
+    # cost_aware with skip_drafting: where the gate skips decisively, a skipped
+    # step's requests (prompts included) stop keeping the drafter's context K/V
+    # (its per-token upkeep) and verify no draft for the rest of their life
     # (proposers/retired_context.py).
 
 
