@@ -134,6 +134,14 @@ class AdaFlashWorkerExtension:
 
         self.model_runner.drafter.draft_gate = ScriptedDraftGate(draft_every)
 
+    def adaflash_debug_draft_pattern(self, pattern: str) -> None:
+        """Debugging and tests: run the drafter on the steps `pattern` marks "d"
+        and skip those it marks "s", cycled from the next step ("dds": two of
+        three steps draft), whatever the timings."""
+        from adaflash_vllm.proposers.draft_gate import ScriptedDraftGate
+
+        self.model_runner.drafter.draft_gate = ScriptedDraftGate(pattern=pattern)
+
     def adaflash_debug_context_upkeep(self, enable: bool) -> None:
         """Measurements only (examples/compare_steps.py `no_draft:noctx`): with
         False, steps the gate skips no longer queue their context K/V for the

@@ -664,19 +664,26 @@ class BatchSizeGates:
 
 class ScriptedDraftGate:
     """Drafts on every `draft_every`-th step only, whatever the timings (tests and
-    debugging: puts skipped steps at known places)."""
+    debugging: puts skipped steps at known places). Or follows `pattern`, cycled
+    from the next step: "d" drafts, "s" skips ("dds": two steps of three draft)."""
 
-    def __init__(self, draft_every: int):
+    def __init__(self, draft_every: int = 1, pattern: str | None = None):
         if draft_every < 1:
             raise ValueError(f"draft_every must be >= 1, got {draft_every}")
+        if pattern is not None and (not pattern or set(pattern) - set("ds")):
+            raise ValueError(f"pattern takes 'd' and 's' only, got {pattern!r}")
         self.draft_every = draft_every
+        self.pattern = pattern
         self.step = self.drafted_steps = self.skipped_steps = 0
 
     def should_draft(
         self, num_reqs: int, plain_ms: float | None = None, can_check: bool = True
     ) -> bool:
         self.step += 1
-        draft = self.step % self.draft_every == 0
+        if self.pattern is not None:
+            draft = self.pattern[(self.step - 1) % len(self.pattern)] == "d"
+        else:
+            draft = self.step % self.draft_every == 0
         self.drafted_steps += draft
         self.skipped_steps += not draft
         return draft
@@ -696,6 +703,7 @@ class ScriptedDraftGate:
     def to_dict(self) -> dict:
         return {
             "draft_every": self.draft_every,
+            "pattern": self.pattern,
             "drafted_steps": self.drafted_steps,
             "skipped_steps": self.skipped_steps,
         }

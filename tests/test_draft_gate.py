@@ -141,6 +141,11 @@ def test_scripted_gate():
     gate = ScriptedDraftGate(3)
     assert [gate.should_draft(4) for _ in range(6)] == [False, False, True] * 2
     assert gate.to_dict()["skipped_steps"] == 4
+    dds = ScriptedDraftGate(pattern="dds")
+    assert [dds.should_draft(4) for _ in range(6)] == [True, True, False] * 2
+    for bad in ("", "dx"):
+        with pytest.raises(ValueError, match="pattern"):
+            ScriptedDraftGate(pattern=bad)
     with pytest.raises(ValueError, match="draft_every"):
         ScriptedDraftGate(0)
 

@@ -35,17 +35,25 @@ def adaflash(request, tiny):
     `skips`: debug_ragged budgets with the drafter run on every other step only
     (the steps between verify 0 drafts, as skip_drafting does). `short_blocks`:
     debug_ragged budgets with the drafter run on blocks of 1, 2, ..., K slots in
-    turn (as adaptive_block does under load). `retire`: `skips` with every
-    skipped step retiring its requests, prompts included
-    (`retire_when_skipping`: no more context upkeep, no more drafts for them)."""
+    turn (as adaptive_block does under load). `retire`: debug_ragged budgets,
+    every third step skipped, and every skipped step retiring its requests,
+    prompts included (`retire_when_skipping`: no more context upkeep, no more
+    drafts for them)."""
     mode = request.param
     length = "debug_ragged" if mode in ("skips", "short_blocks", "retire") else mode
     spec = tiny.spec(k=K, adaflash={"length": {"mode": length}})
     if mode == "fixed":
         spec = str(tiny.write_config("adaflash-fixed.json", spec))
     llm = make_llm(tiny.target, spec)
-    if mode in ("skips", "retire"):
+    if mode == "skips":
         llm.collective_rpc("adaflash_debug_draft_every", args=(2,))
+    if mode == "retire":
+        # A request admitted on a skipped step retires there and never drafts;
+        # with one step in two skipped, batches of equal lengths could all be
+        # admitted on skipped steps (their first ones race the engine). Two
+        # steps in three draft: a batch's lifetime (32 steps) moves it to
+        # another phase, so some batches are admitted on drafting steps.
+        llm.collective_rpc("adaflash_debug_draft_pattern", args=("dds",))
     if mode == "retire":
         llm.collective_rpc("adaflash_debug_retire", args=(True, True))
     if mode == "short_blocks":
