@@ -51,6 +51,11 @@ class AdmissionControl:
         self._round_tokens += len(num_drafts) + sum(num_drafts)
         self._rounds += len(num_drafts)
 
+    def observe_rounds_without_drafts(self, n: int) -> None:
+        """`observe_rounds` for n rounds of k = 0."""
+        self._round_tokens += n
+        self._rounds += n
+
     def end_step(self, requests_processed: int) -> None:
         b = self.cfg.beta
         self.n_hat = (1 - b) * self.n_hat + b * requests_processed

@@ -63,6 +63,12 @@ class RoundStats:
             for j in range(min(a, k_max)):
                 self.accepted_per_pos[j] += 1
 
+    def observe_rounds_without_drafts(self, n: int) -> None:
+        """`observe_rounds` for n rounds that verified no draft."""
+        self.rounds += n
+        self.verified_tokens += n
+        self.verified_hist[0] += n
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
@@ -93,11 +99,16 @@ class StatsPublisher:
         self._last = 0.0
         self._failed = False
 
+    def due(self, *, force: bool = False) -> bool:
+        """Whether a snapshot is due now (`interval_s` since the last, or forced)."""
+        return force or time.monotonic() - self._last >= self.interval_s
+
     def maybe_publish(self, stats: RoundStats, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
-            return
-        self._last = now
+        if self.due(force=force):
+            self.publish(stats)
+
+    def publish(self, stats: RoundStats) -> None:
+        self._last = time.monotonic()
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:

@@ -74,7 +74,8 @@ class AdaFlashScheduler(Scheduler):
         # are cut while the engine does not retire (patches.py E4).
         self.holes = self._prefix_holes() if self.adaflash is not None else None
         if self._publisher is not None:  # /metrics shows zeros before any traffic
-            self._publisher.maybe_publish(self.round_stats, force=True)
+            self.round_stats.extra = self._gauges()
+            self._publisher.publish(self.round_stats)
         logger.info("AdaFlash scheduler active (K=%d, config %s)", k, self.adaflash)
 
     def _prefix_holes(self) -> PrefixHoles | None:
@@ -121,42 +122,56 @@ class AdaFlashScheduler(Scheduler):
         scheduler_output: SchedulerOutput,
         model_runner_output: ModelRunnerOutput,
     ) -> dict[int, EngineCoreOutputs]:
-        before = self._decode_rounds_before(scheduler_output)
         # Before super(): it truncates finished requests' token lists in place.
-        self._record_rounds(before, model_runner_output)
+        if scheduler_output.scheduled_spec_decode_tokens or self.online is not None:
+            before = self._decode_rounds_before(scheduler_output)
+            self._record_rounds(before, model_runner_output)
+            requests = [request for request, _, _ in before.values()]
+        else:  # no request verifies a draft (the gate skipped), no log to keep
+            requests = self._record_rounds_without_drafts(
+                scheduler_output, model_runner_output
+            )
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.online is not None and hasattr(scheduler_output, "adaflash_swap"):
             self.online.on_swap_result(
                 getattr(model_runner_output, "adaflash_swap_result", None)
             )
-        finished = self._forget_finished(before)
+        finished = self._forget_finished(requests)
         carried = getattr(model_runner_output, "adaflash_drafts", None)
         if carried is not None:  # the worker sent this step's drafts along
             if carried[0] is not None:
                 self.update_draft_token_ids(carried[0])
             self._took_drafts = True
         self._gate = getattr(model_runner_output, "adaflash_gate", None) or self._gate
-        extra = dict(self._gate)
         holes = getattr(model_runner_output, "adaflash_holes", None)
         if holes is not None and self.holes is not None:
             self.holes.update(*holes)
-        if self.holes is not None and "retired_requests" in extra:
-            extra.update(self.holes.counters())
         if self.admission is not None:
-            self.admission.end_step(len(before))
-            extra.update(self.admission.gauges())
-        if self.online is not None:
-            extra.update(self.online.gauges_if_due())
-        self.round_stats.extra = extra
+            self.admission.end_step(len(requests))
         if self._publisher is not None:
             # Publish at once when the last request ends, so a client that reads
             # /metrics right after its response sees its rounds. Under load,
             # where requests end every few steps, the interval holds (a snapshot
             # is a file write of about 0.5 ms: at 0.25 s, 0.3 ms per step at 32
-            # requests under profile_step.py).
+            # requests under profile_step.py). The gauges are gathered only for
+            # a snapshot.
             idle = finished > 0 and not self.has_unfinished_requests()
-            self._publisher.maybe_publish(self.round_stats, force=idle)
+            if self._publisher.due(force=idle):
+                self.round_stats.extra = self._gauges()
+                self._publisher.publish(self.round_stats)
         return outputs
+
+    def _gauges(self) -> dict:
+        """The gauges and counters /metrics shows next to the rounds: the
+        worker's draft gate, retirement's prefix cuts, admission, online."""
+        extra = dict(self._gate)
+        if self.holes is not None and "retired_requests" in extra:
+            extra.update(self.holes.counters())
+        if self.admission is not None:
+            extra.update(self.admission.gauges())
+        if self.online is not None:
+            extra.update(self.online.gauges_if_due())
+        return extra
 
     def took_drafts_from_output(self) -> bool:
         """Whether the last step's drafts came with its output (then the engine
@@ -180,6 +195,31 @@ class AdaFlashScheduler(Scheduler):
             k = len(spec.get(req_id, ())) if request.num_output_tokens > 0 else None
             rounds[req_id] = (request, request.num_tokens, k)
         return rounds
+
+    def _record_rounds_without_drafts(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """`_record_rounds` for a step where no request verifies a draft and no
+        online log is kept (under load most steps: the gate skips): each decode
+        request that sampled a token is a round of k = 0, counted at once.
+        Returns the step's requests."""
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        get = self.requests.get
+        requests, rounds = [], 0
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = get(req_id)
+            if request is None:
+                continue
+            requests.append(request)
+            if request.num_output_tokens > 0:  # else a prefill chunk, not a round
+                i = index.get(req_id)
+                rounds += bool(sampled and i is not None and sampled[i])
+        if rounds:
+            self.round_stats.observe_rounds_without_drafts(rounds)
+            if self.admission is not None:
+                self.admission.observe_rounds_without_drafts(rounds)
+        return requests
 
     def _record_rounds(
         self,
@@ -213,11 +253,9 @@ class AdaFlashScheduler(Scheduler):
                 if k > 0:
                     self.online.observe_round(a)
 
-    def _forget_finished(
-        self, before: dict[str, tuple[Request, int, int | None]]
-    ) -> int:
+    def _forget_finished(self, requests: list[Request]) -> int:
         finished = 0
-        for request, _, _ in before.values():
+        for request in requests:
             if request.is_finished():
                 self.on_request_finished(request)
                 finished += 1
@@ -239,9 +277,11 @@ class AdaFlashScheduler(Scheduler):
 
     @override
     def shutdown(self) -> None:
+        extra = self._gauges()
         if self.online is not None:
-            self.round_stats.extra = self.online.gauges()
+            extra.update(self.online.gauges())
             self.online.shutdown()
+        self.round_stats.extra = extra
         if self._publisher is not None:
-            self._publisher.maybe_publish(self.round_stats, force=True)
+            self._publisher.publish(self.round_stats)
         super().shutdown()

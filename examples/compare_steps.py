@@ -98,6 +98,7 @@ def _build(config: str, concurrency: int):
     elif variant == "nobook":
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         scheduler._decode_rounds_before = lambda scheduler_output: {}
+        scheduler._record_rounds_without_drafts = lambda *_: []
     return llm
 
 

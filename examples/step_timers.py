@@ -64,6 +64,7 @@ SCHEDULER = (
     "schedule",
     "update_from_output",
     "_decode_rounds_before",
+    "_record_rounds_without_drafts",
     "_record_rounds",
     "_forget_finished",
 )

@@ -66,3 +66,45 @@ def test_admission_step_without_rounds_keeps_verify_length():
     ctl = AdmissionControl(AdmissionConfig(beta=0.3), 3)
     ctl.end_step(0)  # a prefill-only step: no rounds
     assert ctl.v_hat == 4.0 and ctl.n_hat == 0.0
+
+
+def test_scheduler_counts_a_step_without_drafts_as_the_general_path_does():
+    """A step where no request verifies a draft (the gate skipped) takes the
+    scheduler's short path: the same counters and admission feedback as the
+    per-round records, the same requests to check for finishing."""
+    from types import SimpleNamespace
+
+    from adaflash_vllm.scheduler import AdaFlashScheduler
+
+    requests = {  # decode, decode, a prefill chunk, decode discarded, decode
+        r: SimpleNamespace(num_output_tokens=n, num_tokens=10 + n)
+        for r, n in (("a", 3), ("b", 1), ("c", 0), ("d", 5), ("e", 2))
+    }
+    step = SimpleNamespace(
+        num_scheduled_tokens={r: 1 for r in [*requests, "gone"]},
+        scheduled_spec_decode_tokens={},
+    )
+    out = SimpleNamespace(
+        sampled_token_ids=[[7], [8], [], [], [9]],
+        req_id_to_index={r: i for i, r in enumerate(requests)},
+    )
+
+    def scheduler():
+        return SimpleNamespace(
+            requests=requests,
+            round_stats=RoundStats(4),
+            admission=AdmissionControl(AdmissionConfig(beta=0.5), 4),
+            online=None,
+        )
+
+    general, short = scheduler(), scheduler()
+    before = AdaFlashScheduler._decode_rounds_before(general, step)
+    AdaFlashScheduler._record_rounds(general, before, out)
+    got = AdaFlashScheduler._record_rounds_without_drafts(short, step, out)
+    assert got == [request for request, _, _ in before.values()]
+    counts = [{**s.round_stats.snapshot(), "time": 0} for s in (short, general)]
+    assert counts[0] == counts[1]
+    assert counts[0]["verified_hist"][0] == counts[0]["rounds"] == 3  # a, b, e
+    for s in (general, short):
+        s.admission.end_step(len(got))
+    assert vars(short.admission) == vars(general.admission)
