@@ -49,6 +49,7 @@ DRAFTER = (
     "_write_deferred_context",
     "_skip_drafting",
     "_retire_rows",
+    "_every_row_retired",
     "note_schedule",
     "take_holes",
     "set_inputs_first_pass",

@@ -20,7 +20,7 @@ Shape symbols: B requests, K drafts per request, H drafter hidden size.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 import numpy as np
@@ -396,7 +396,7 @@ class AdaFlashProposer(DFlashProposer):
         if opened.draft:
             self._opened = opened
             return None
-        if self._retiring_now():  # every row retires: no context is read
+        if self._every_row_retired(opened.req_ids):  # no context is read
             positions = features = None
         else:
             positions, features = context()
@@ -550,9 +550,9 @@ class AdaFlashProposer(DFlashProposer):
         The T context tokens are every token the target just processed (rejected
         drafts included, as `set_inputs_first_pass` takes them); their cache slots
         are the drafter group's slot mapping for this step. The query block's
-        inputs that it also builds are not needed. Where the engine retires
-        every row (`_retiring_now`), the caller passes no positions or features
-        (they are never read), only `num_context`."""
+        inputs that it also builds are not needed. Where no row keeps its
+        upkeep (`_every_row_retired`), the caller passes no positions or
+        features (they are never read), only `num_context`."""
         req_ids, last = opened.req_ids, opened.last
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
@@ -588,13 +588,15 @@ class AdaFlashProposer(DFlashProposer):
         """`length.retire_when_skipping` on a skipped step: which context tokens
         still get the drafter's K/V. Where the engine retires (`_retiring_now`),
         every request of the step retires (its upkeep stops, it drafts no more),
-        in its prompt or in decode; requests already retired get none anywhere.
+        in its prompt or in decode; requests already retired get none anywhere
+        (a step of retired requests only drops every row at once, as a retiring
+        one does).
         Returns the kept token indices, or None to keep every token."""
         retired = self.retired
         if retired is None:
             retired = self.retired = RetiredContext(self.block_size)
         total = slots.shape[0]
-        if self._retiring_now():  # every row (the steady state under load)
+        if self._every_row_retired(req_ids):  # the steady state under load
             if retired.retired:
                 retired.forget_finished(req_ids)
             retired.dropped_tokens += total
@@ -619,6 +621,18 @@ class AdaFlashProposer(DFlashProposer):
             slots[torch.from_numpy(index).to(slots.device)].tolist(),
         )
         return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
+
+    def _every_row_retired(self, req_ids: Collection[str]) -> bool:
+        """Whether no row of this skipped step keeps its upkeep: the engine
+        retires now, or every request of the step is retired already (a check
+        of drafting waits for such a batch to clear). Then neither the target's
+        features nor positions are gathered for it, nor any row picked."""
+        if not self.retire_when_skipping:
+            return False
+        if self._retiring_now():
+            return True
+        retired = self.retired
+        return retired is not None and retired.retired.issuperset(req_ids)
 
     def _retiring_now(self) -> bool:
         """Whether the engine retires requests now: at a batch size whose gate

@@ -128,18 +128,26 @@ def _retiring_proposer(decisive: bool):
     )
     proposer._retire_rows = lambda *a: AdaFlashProposer._retire_rows(proposer, *a)
     proposer._retiring_now = lambda: AdaFlashProposer._retiring_now(proposer)
+    proposer._every_row_retired = lambda ids: AdaFlashProposer._every_row_retired(
+        proposer, ids
+    )
     return proposer
 
 
-def _skip_step(proposer, req_ids):
+def _skip_step(proposer, req_ids, context: bool = True):
+    """A skipped step of the three requests; without `context`, as propose_early
+    calls it where no row keeps its upkeep (no positions or features)."""
     from adaflash_vllm.proposers.proposer import AdaFlashProposer, _Opened
 
     AdaFlashProposer._skip_drafting(
         proposer,
         _Opened(0.5, req_ids, frozenset(req_ids), None, False),
         num_speculative_tokens=3,
-        target_positions=torch.tensor([0, 1, 2, 20, 30]),
-        target_hidden_states=torch.arange(5.0).unsqueeze(1).expand(5, 6),
+        target_positions=torch.tensor([0, 1, 2, 20, 30]) if context else None,
+        target_hidden_states=(
+            torch.arange(5.0).unsqueeze(1).expand(5, 6) if context else None
+        ),
+        num_context=5,
         common_attn_metadata=types.SimpleNamespace(
             slot_mapping=torch.tensor([40, 41, 42, 9, 13]),
             query_start_loc_cpu=torch.tensor([0, 3, 4, 5]),
@@ -211,3 +219,26 @@ def test_upkeep_tokens_kept_and_dropped_are_counted():
     _skip_step(proposer, ["p", "d1", "d2"])
     state = proposer.retired.to_dict()
     assert state["upkeep_kept_tokens"] == 5 and state["upkeep_dropped_tokens"] == 5
+
+
+def test_a_step_of_retired_requests_reads_no_context_while_a_check_waits():
+    """Every request of the step retired already, the engine not retiring now
+    (a check of drafting waits): no row keeps its upkeep, so propose_early
+    gathers no context for it (`_every_row_retired`), and the step drops every
+    row at once, marking their blocks. One request not retired: its row is
+    kept, and the context is gathered."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    proposer.draft_gate.current.check_waiting = True
+    assert not proposer._retiring_now()
+    assert proposer._every_row_retired(["p", "d1", "d2"])
+    proposer.retired.holey.clear()
+    _skip_step(proposer, ["p", "d1", "d2"], context=False)
+    assert proposer._deferred.tokens == 0
+    assert proposer.retired.holey == {10, 2, 3}
+    assert proposer.retired.to_dict()["upkeep_dropped_tokens"] == 10
+    proposer.retired.retired.discard("d2")
+    assert not proposer._every_row_retired(["p", "d1", "d2"])
+    proposer.retire_when_skipping = False  # retired ones stay, nobody drops rows
+    proposer.retired.retired.add("d2")
+    assert not proposer._every_row_retired(["p", "d1", "d2"])
