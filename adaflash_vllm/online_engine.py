@@ -213,6 +213,7 @@ class OnlineController:
         order, self.in_flight = self.in_flight, None
         if order is None:
             return
+        self._gauges_at = 0.0  # the next snapshot shows the swap's outcome
         if result is None or result.get("pending"):
             # The step did not reach the workers' swap hook, or the workers are
             # still fetching the version in the background: order it again (unless
@@ -311,10 +312,11 @@ class OnlineController:
         g.update(self._trainer_metrics())
         return g
 
-    def gauges_if_due(self) -> dict[str, float]:
-        """`gauges()`, recomputed at most every 0.5 s (called every step)."""
+    def gauges_if_due(self, fresh: bool = False) -> dict[str, float]:
+        """`gauges()`, recomputed at most every 0.5 s, and after a swap's result
+        (at every /metrics snapshot); `fresh`: now."""
         now = time.monotonic()
-        if now - self._gauges_at >= 0.5:
+        if fresh or now - self._gauges_at >= 0.5:
             self._gauges, self._gauges_at = self.gauges(), now
         return self._gauges
 

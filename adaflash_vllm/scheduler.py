@@ -157,20 +157,22 @@ class AdaFlashScheduler(Scheduler):
             # a snapshot.
             idle = finished > 0 and not self.has_unfinished_requests()
             if self._publisher.due(force=idle):
-                self.round_stats.extra = self._gauges()
+                self.round_stats.extra = self._gauges(fresh=idle)
                 self._publisher.publish(self.round_stats)
         return outputs
 
-    def _gauges(self) -> dict:
+    def _gauges(self, fresh: bool = False) -> dict:
         """The gauges and counters /metrics shows next to the rounds: the
-        worker's draft gate, retirement's prefix cuts, admission, online."""
+        worker's draft gate, retirement's prefix cuts, admission, online (those
+        recomputed at most every 0.5 s unless `fresh`: the snapshot when the
+        last request ends shows them as they are)."""
         extra = dict(self._gate)
         if self.holes is not None and "retired_requests" in extra:
             extra.update(self.holes.counters())
         if self.admission is not None:
             extra.update(self.admission.gauges())
         if self.online is not None:
-            extra.update(self.online.gauges_if_due())
+            extra.update(self.online.gauges_if_due(fresh))
         return extra
 
     def took_drafts_from_output(self) -> bool:
