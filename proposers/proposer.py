@@ -396,7 +396,8 @@ class AdaFlashProposer(DFlashProposer):
         if opened.draft:
             self._opened = opened
             return None
-        if self._every_row_retired(opened.req_ids):  # no context is read
+        every_row_retired = self._every_row_retired(opened.req_ids)
+        if every_row_retired:  # no context is read
             positions = features = None
         else:
             positions, features = context()
@@ -407,6 +408,7 @@ class AdaFlashProposer(DFlashProposer):
             target_hidden_states=features,
             common_attn_metadata=common_attn_metadata,
             num_context=num_tokens,
+            every_row_retired=every_row_retired,
         )
         # The runner's own placeholder form: nothing is copied back or read
         # (every budget is 0: `take_draft_token_ids` returns None, W2).
@@ -539,6 +541,7 @@ class AdaFlashProposer(DFlashProposer):
         target_hidden_states: torch.Tensor | None,  # [T, aux layers * hidden]
         common_attn_metadata,  # of the drafter's KV cache group
         num_context: int | None = None,  # T, where the tensors are None
+        every_row_retired: bool | None = None,  # None: `_every_row_retired` here
         **_unused,
     ) -> None:
         """A step without a draft (see draft_gate.py): queue this step's context
@@ -552,7 +555,8 @@ class AdaFlashProposer(DFlashProposer):
         are the drafter group's slot mapping for this step. The query block's
         inputs that it also builds are not needed. Where no row keeps its
         upkeep (`_every_row_retired`), the caller passes no positions or
-        features (they are never read), only `num_context`."""
+        features (they are never read), only `num_context`, and says so
+        (`every_row_retired`, so that it is not decided twice)."""
         req_ids, last = opened.req_ids, opened.last
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
@@ -562,7 +566,11 @@ class AdaFlashProposer(DFlashProposer):
             positions = target_positions[:num_context]
         slots = common_attn_metadata.slot_mapping[:num_context]
         if self.retire_when_skipping:
-            kept = self._retire_rows(req_ids, common_attn_metadata, slots)
+            if every_row_retired is None:
+                every_row_retired = self._every_row_retired(req_ids)
+            kept = self._retire_rows(
+                req_ids, common_attn_metadata, slots, every_row_retired
+            )
             if kept is not None and kept.numel() == 0:  # every row retired
                 states = None
             elif kept is not None:  # some rows retired: upkeep for the rest only
@@ -583,10 +591,11 @@ class AdaFlashProposer(DFlashProposer):
         self._remember_propose(opened.started, now, opened.batch, False, last)
 
     def _retire_rows(
-        self, req_ids: list[str], cad, slots: torch.Tensor
+        self, req_ids: list[str], cad, slots: torch.Tensor, every_row_retired: bool
     ) -> torch.Tensor | None:
         """`length.retire_when_skipping` on a skipped step: which context tokens
-        still get the drafter's K/V. Where the engine retires (`_retiring_now`),
+        still get the drafter's K/V (`every_row_retired`: none, as
+        `_every_row_retired` says). Where the engine retires (`_retiring_now`),
         every request of the step retires (its upkeep stops, it drafts no more),
         in its prompt or in decode; requests already retired get none anywhere
         (a step of retired requests only drops every row at once, as a retiring
@@ -596,7 +605,7 @@ class AdaFlashProposer(DFlashProposer):
         if retired is None:
             retired = self.retired = RetiredContext(self.block_size)
         total = slots.shape[0]
-        if self._every_row_retired(req_ids):  # the steady state under load
+        if every_row_retired:  # the steady state under load
             if retired.retired:
                 retired.forget_finished(req_ids)
             retired.dropped_tokens += total
