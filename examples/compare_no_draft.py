@@ -18,6 +18,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 (the gate's checks of skipping explore it, as before run 23), `adaflash:nohist`
 (a length head with history never reads the previous round), `adaflash:noskip`
 (`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`),
+`adaflash:eagerchecks` (the draft gate's checks of drafting under load
+not spaced by what they lose, as before run 31),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
 `adaflash:kN` (the same with `num_speculative_tokens` N instead of 7: its
 drafter's length head, trained for 7, is then left out; variants combine with
@@ -56,6 +58,7 @@ _ADAFLASH_VARIANTS = {
     "nohist": {},  # the length head never reads the previous round
     "slow01": {},  # long-run rate over ~100 one-request rounds at every B
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
+    "eagerchecks": {},  # checks of drafting not spaced by their loss (before run 31)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
@@ -68,6 +71,8 @@ _GATE_SETTINGS = {
     "slow01": {"slow_ema_per_request": 0.01, "slow_ema_one_request": 0.01},
     # the long-run rate at one request as before run 25 (25 rounds)
     "slow04": {"slow_ema_one_request": 0.04},
+    # checks of drafting under load back off from 8 steps whatever they lose
+    "eagerchecks": {"check_share": 0.0},
 }
 
 

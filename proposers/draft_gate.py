@@ -56,7 +56,11 @@ moves by a quarter): a run of rejected rounds is common in text the drafter serv
 well, and skipping such runs at one request still cost 6%. While skipping, checks of
 drafting back off only to `skip_interval_per_request` steps per request in the
 batch: with few requests drafting's rate follows their text, and a stretch of easy
-text missed costs several times what a check during a hard one does.
+text missed costs several times what a check during a hard one does. From
+`check_share_min_batch` requests on they also wait at least until a check's
+measured loss is `check_share` of the time skipped in between: at 64 requests a
+check loses ~30 ms per round, and doubling from 8 steps put three checks into a
+bucket's first 600 steps.
 
 The engine runs one such gate per batch-size bucket (`BatchSizeGates`): rates in
 tokens per ms are only compared between rounds of about the same batch size. What
@@ -73,6 +77,7 @@ few steps per drain went back to drafting on a lead within the noise (1.36 again
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from adaflash_vllm.proposers.ratio_ema import RatioEMA, running_weight
@@ -99,6 +104,16 @@ class DraftGate:
     ema: float = 0.3
     switch_z: float = 1.0  # a switch must beat the rates' noise by this many SEs
     skip_interval_per_request: int = 16  # while skipping, explore at most this x B
+    # While skipping at `check_share_min_batch` requests or more, checks of
+    # drafting are spaced so that what they lose (each check's drafting rounds
+    # against skipping's measured rate) is at most `check_share` of the time
+    # spent skipping between them (up to the caps above). Under load a check is
+    # 3-4 rounds at ~3x a plain step's time; doubling from 8 steps, a bucket of
+    # 64 requests spent ~3% of a 2,000-step run in them (BENCHMARKS.md run 31).
+    # Smaller batches keep checking often: their drafting rate follows a few
+    # requests' text, which turns easy again within a few rounds. 0: off.
+    check_share: float = 0.01
+    check_share_min_batch: int = 8
     # drafting's long-run rate: EMA weight per request in a round (at B requests
     # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter) ...
     slow_ema_per_request: float = 0.04
@@ -429,9 +444,27 @@ class DraftGate:
             cap = self._skip_cap(self.switch_batch)
             # Held: smaller batches check drafting for this one (the longest wait).
             self.interval = cap if self.held else min(self.interval, cap)
+            self.interval = max(self.interval, min(self._check_spacing(), cap))
         self.held_settled = self.held
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
+
+    def _check_spacing(self) -> int:
+        """While skipping: the fewest steps between checks of drafting for which
+        a check's loss is at most `check_share` of the skipping in between (0:
+        no such floor: a small batch, no measured loss, or `check_share` 0).
+        The loss of a drafting round is its time less the time skipping would
+        take for the tokens it emitted (EMAs of both per round)."""
+        if self.check_share <= 0 or self.switch_batch < self.check_share_min_batch:
+            return 0
+        d, s = self.draft_rate, self.skip_rate
+        if not d.count or not s.count or d.num <= 0 or s.num <= 0 or s.den <= 0:
+            return 0
+        loss_ms = d.den - d.num * s.den / s.num  # per drafting round
+        if loss_ms <= 0:
+            return 0
+        rounds = self.explore_steps + 1  # a check's drafting steps
+        return math.ceil(rounds * loss_ms / (self.check_share * s.den))
 
     def _predicted_skip_rate(self) -> float | None:
         """Skipping's last measured rate, scaled by the plain step's cost then

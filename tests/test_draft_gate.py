@@ -396,13 +396,73 @@ def test_a_switch_that_held_resets_the_backoff_when_reversed():
     """A switch that held past the left mode's interval was a real change: going
     back starts the backoff over."""
     gate = DraftGate(
-        min_interval=8, max_interval=128, drafting=False, interval=16, switch_batch=32
+        min_interval=8,
+        max_interval=128,
+        drafting=False,
+        interval=16,
+        switch_batch=32,
+        check_share=0,  # the backoff alone (not spaced by what checks lose)
     )
     _settle_with(gate, draft=1.1, skip=1.0)
     assert gate.drafting
     gate.step += 100  # drafting held for longer than skipping's 16-step interval
     _settle_with(gate, draft=1.0, skip=1.1)
     assert not gate.drafting and gate.interval == 8
+
+
+def _check_rounds(gate, *, draft_tokens, draft_ms, skip_tokens, skip_ms):
+    """End an exploration of drafting (while skipping) with these rounds."""
+    gate.draft_rate.__init__(gate.ema)
+    gate.skip_rate.__init__(gate.ema)
+    for _ in range(3):
+        gate.record_round(drafted=True, tokens=draft_tokens, ms=draft_ms)
+        gate.record_round(drafted=False, tokens=skip_tokens, ms=skip_ms)
+    gate.exploring_until = gate.step
+    gate._settle()
+
+
+def test_checks_of_drafting_under_load_are_spaced_by_what_they_lose():
+    """64 requests: a drafting round takes 100 ms for 128 tokens, a skipped one
+    35 ms for 64. A check's 4 drafting rounds lose 4 x (100 - 70) ms, which at
+    `check_share` 1% of the 35 ms skipped steps in between is 343 steps: the
+    next check comes no sooner (not 16 steps after the switch), and the caps
+    still bound it."""
+    rounds = dict(draft_tokens=128.0, draft_ms=100.0, skip_tokens=64.0, skip_ms=35.0)
+    gate = DraftGate(drafting=False, interval=8, switch_batch=64)
+    _check_rounds(gate, **rounds)
+    assert not gate.drafting and gate.interval == 343
+    assert gate.explore_at == gate.step + 343
+    capped = DraftGate(
+        drafting=False, interval=8, switch_batch=64, skip_max_interval=256
+    )
+    _check_rounds(capped, **rounds)
+    assert capped.interval == 256
+    # the switch from drafting to skipping is spaced the same way
+    switched = DraftGate(drafting=True, interval=8, switch_batch=64)
+    _check_rounds(switched, **rounds)
+    assert not switched.drafting and switched.interval == 343
+
+
+@pytest.mark.parametrize(
+    "batch, draft_tokens, spacing",
+    [
+        (4, 8.0, "backoff"),  # few requests: drafting's rate follows their text
+        (64, 64 * 2.8, "backoff"),  # drafting loses 2% a round: checks cost little
+        (64, 128.0, "share"),
+    ],
+)
+def test_checks_of_drafting_stay_frequent_where_they_cost_little(
+    batch, draft_tokens, spacing
+):
+    """Below `check_share_min_batch` requests, or where a drafting round loses
+    little against skipping (it emits nearly what skipping would in its time),
+    the usual backoff (8 -> 16 while the result is close) sets the next check."""
+    gate = DraftGate(drafting=False, interval=8, switch_batch=batch)
+    _check_rounds(
+        gate, draft_tokens=draft_tokens, draft_ms=100.0, skip_tokens=batch, skip_ms=35.0
+    )
+    assert not gate.drafting
+    assert (gate.interval > 100) == (spacing == "share")
 
 
 def test_a_quick_return_to_drafting_starts_its_checks_over():
