@@ -1,0 +1,51 @@
+"""The gate tracer (examples/gate_trace/) and its reader (examples/gate_rounds.py)
+on a real `BatchSizeGates` driven with synthetic rounds (no engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from adaflash_vllm.proposers.draft_gate import BatchSizeGates
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_traced_rounds_are_read_back_with_their_place_in_a_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADAFLASH_GATE_TRACE", raising=False)
+    # restored after the test: the tracer wraps the class's methods
+    monkeypatch.setattr(BatchSizeGates, "should_draft", BatchSizeGates.should_draft)
+    monkeypatch.setattr(BatchSizeGates, "record_round", BatchSizeGates.record_round)
+    tracer = _load("gate_trace_site", EXAMPLES / "gate_trace" / "sitecustomize.py")
+    reader = _load("gate_rounds", EXAMPLES / "gate_rounds.py")
+    prefix = tmp_path / "gate"
+    tracer._install(str(prefix))
+
+    gates, modes, last = BatchSizeGates(), [], None
+    for _ in range(60):
+        if last is not None:  # drafting 1 token/ms, skipping 2: the gate skips
+            rate = 1.0 if last else 2.0
+            gates.record_round(drafted=last, tokens=16 * rate, ms=16.0)
+        last = gates.should_draft(16)
+        modes.append(last)
+
+    got = reader.rounds(f"{prefix}.{os.getpid()}")
+    assert len(got) == 59  # every round but the last step's
+    assert [r[1] for r in got] == [int(m) for m in modes[:-1]]
+    assert all(r[0] == 16 for r in got)
+    # each round's place in its mode's run, as the decisions went
+    run, places = 0, []
+    for i, m in enumerate(modes[:-1]):
+        run = run + 1 if i and m == modes[i - 1] else 1
+        places.append(run)
+    assert [r[4] for r in got] == places
+    assert {r[2] / r[3] for r in got if r[1]} == {1.0}
+    assert False in modes and True in modes  # both modes were traced
