@@ -59,8 +59,8 @@ batch: with few requests drafting's rate follows their text, and a stretch of ea
 text missed costs several times what a check during a hard one does. From
 `check_share_min_batch` requests on they also wait at least until a check's
 measured loss is `check_share` of the time skipped in between: at 64 requests a
-check loses ~30 ms per round, and doubling from 8 steps put three checks into a
-bucket's first 600 steps.
+drafting round loses ~50 ms against skipping, and a backoff doubling from 8
+steps checked 7 times (31 drafting steps) in a bucket's first 2,000 steps.
 
 The engine runs one such gate per batch-size bucket (`BatchSizeGates`): rates in
 tokens per ms are only compared between rounds of about the same batch size. What
@@ -108,8 +108,9 @@ class DraftGate:
     # drafting are spaced so that what they lose (each check's drafting rounds
     # against skipping's measured rate) is at most `check_share` of the time
     # spent skipping between them (up to the caps above). Under load a check is
-    # 3-4 rounds at ~3x a plain step's time; doubling from 8 steps, a bucket of
-    # 64 requests spent ~3% of a 2,000-step run in them (BENCHMARKS.md run 31).
+    # 4 rounds at ~3x a plain step's time; doubling from 8 steps, a bucket of
+    # 64 requests checked 7 times in 2,000 steps, 4 with this (BENCHMARKS.md
+    # run 31).
     # Smaller batches keep checking often: their drafting rate follows a few
     # requests' text, which turns easy again within a few rounds. 0: off.
     check_share: float = 0.01
