@@ -19,6 +19,7 @@ Configurations (K = 7, the demo drafter):
                  context K/V and verifies 0 drafts; `adaflash_debug_draft_every`)
     noctx        the same without writing the drafter's context K/V (what never
                  drafting costs besides that upkeep; `adaflash_debug_context_upkeep`)
+    paper        AdaFlash `paper` budgets (the paper's rule, drafting every step)
     cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
     retire       the same with `retire_when_skipping` (where skipping wins
                  decisively, requests drop the drafter's context upkeep)
@@ -48,6 +49,7 @@ _BENCH_NAME = {  # bench.configs names; plain and dflash are their own
     "noctx": "adaflash:fixed",  # and the context upkeep too
     "noskip": "adaflash:cost_aware",  # skip_drafting turned off below
     "cost_aware": "adaflash:cost_aware",
+    "paper": "adaflash:paper",
     "retire": "adaflash:cost_aware",  # retire_when_skipping set below
     "single": "adaflash:cost_aware",  # one gate set over RPC
 }

@@ -97,16 +97,20 @@ class StepCostModel:
         ratio = min(bound, max(1.0 / bound, ms / predicted))
         diff = predicted * (ratio - 1.0)
         self.level_ms += self.ema * diff
-        # Every point decays toward the profile: the level and a shift of all
-        # the points that steps hit explain the same steps, and without a pull
-        # that shift (against the counts steps never hit) would drift as noise.
+        # The two points decay toward the profile as the step moves them: the
+        # level and a shift of all the points that steps hit explain the same
+        # steps, and without a pull that shift (against the counts steps never
+        # hit) would drift as noise. Only the points a step lands next to: a
+        # decay of every point on every step pulled the counts that steps hit
+        # rarely (drafting steps under load, when most steps skip drafting)
+        # back to the profile between their steps, and the curve kept about a
+        # third of their real slope (BENCHMARKS.md run 31).
         decay = self.shape_decay
-        self._shape = [
-            t - decay * (t - p) for t, p in zip(self._shape, self._profile, strict=True)
-        ]
         for j, weight in ((i - 1, 1.0 - w), (i, w)):
             weight = min(1.0, max(0.0, weight))
-            self._shape[j] = max(self._shape[j] + self.shape_ema * weight * diff, 1e-3)
+            t = self._shape[j]
+            t -= decay * weight * (t - self._profile[j])
+            self._shape[j] = max(t + self.shape_ema * weight * diff, 1e-3)
         # More tokens never cost less. The running max is taken, not written back:
         # written back, every dip of a point below its left neighbour was undone
         # while every rise stayed, and noise alone ratcheted the curve up.
