@@ -8,9 +8,11 @@ part, both of which this gives.
 
 A step's time is the curve at its token count plus a level shared by every count.
 Each observation moves the level fast (EMA `ema`) and the curve's two points around
-its token count slowly (`shape_ema`), while every point decays toward the profile
+its token count slowly (`shape_ema`), decaying those two points toward the profile
 (`shape_decay`: the level and a common shift of the points steps hit explain the
-same steps, and unpulled that shift would drift with the noise). A real step also
+same steps, and unpulled that shift would drift with the noise). Points decay only
+when a step lands next to them: a slope seen on rare steps (drafting steps under
+load, where most steps skip drafting) then stays between them. A real step also
 pays scheduling and output handling that the profile's dummy forwards do not, and
 this VM's speed swings by tens of percent within a minute: both are the same at
 every token count, so they go into the level. Moving single points by them instead
