@@ -105,8 +105,9 @@ class StepCostModel:
         # hit) would drift as noise. Only the points a step lands next to: a
         # decay of every point on every step pulled the counts that steps hit
         # rarely (drafting steps under load, when most steps skip drafting)
-        # back to the profile between their steps, and the curve kept about a
-        # third of their real slope (BENCHMARKS.md run 31).
+        # back to the profile between their steps: with one step in twenty
+        # there, the curve kept half of the slope beyond the profile's
+        # (BENCHMARKS.md run 31).
         decay = self.shape_decay
         for j, weight in ((i - 1, 1.0 - w), (i, w)):
             weight = min(1.0, max(0.0, weight))
