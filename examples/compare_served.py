@@ -3,9 +3,10 @@ at once (all pinned to the same core, idle while another is measured), each pass
 the same requests at a fixed client concurrency, configurations in a rotating
 order. Prints every pass's tok/s, the draft gate's skipped share and tau, the
 CPU time each server's API server and engine core spent per output token, each
-AdaFlash server's gate state per batch-size bucket at the end (also saved as
-OUT/CONFIG-gate.json), then each configuration's per-pass ratios to plain (mean
-with a 95% interval) and one JSON line.
+AdaFlash server's gate state per batch-size bucket and its step-cost curve
+against its startup profile at the end (saved as OUT/CONFIG-gate.json and, the
+whole budget state, OUT/CONFIG-budget-state.json), then each configuration's
+per-pass ratios to plain (mean with a 95% interval) and one JSON line.
 
 Run (about 8 minutes on 2 cores for the default):
     python examples/compare_served.py --configs plain,cost_aware,single \
@@ -116,9 +117,23 @@ def _budget_state(server) -> dict:
     return (reply.get("results") or [{}])[0] or {}
 
 
-def _gate_buckets(server) -> dict | None:
-    """The draft gate's per-bucket state after the passes (None without a gate)."""
-    return (_budget_state(server).get("draft_gate") or {}).get("buckets")
+def _print_cost_curve(config: str, cost: dict | None) -> None:
+    """The step-cost curve a server learnt (ms at each profiled token count, the
+    shared level added) next to its startup profile."""
+    if not cost:
+        return
+    level = cost["level_ms"]
+    print(
+        f"{config:>10} cost curve after {cost['observations']} steps "
+        f"(level {level:+.2f} ms): "
+        + " ".join(
+            f"{n}:{p:.1f}->{t + level:.1f}"
+            for n, p, t in zip(
+                cost["sizes"], cost["profile_ms"], cost["times_ms"], strict=True
+            )
+        ),
+        flush=True,
+    )
 
 
 def _cpu_seconds(server) -> dict[str, float]:
@@ -215,9 +230,12 @@ def main() -> None:
                     f"{role} {v[-1]:.3f}" for role, v in cpu_ms[config].items()
                 )
                 print(line, flush=True)
-        gates = {c: _gate_buckets(servers[c]) for c in configs if c in _BENCH_NAME}
         for c in (c for c in configs if c in _BENCH_NAME):  # AdaFlash servers
-            retired = _budget_state(servers[c]).get("retired")
+            state = _budget_state(servers[c])
+            (out / f"{c}-budget-state.json").write_text(json.dumps(state, indent=1))
+            gates[c] = (state.get("draft_gate") or {}).get("buckets")
+            _print_cost_curve(c, state.get("cost_model"))
+            retired = state.get("retired")
             if retired is not None:  # retire_when_skipping's counts
                 print(f"{c:>10} retired: {json.dumps(retired)}", flush=True)
     finally:

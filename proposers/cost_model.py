@@ -128,6 +128,7 @@ class StepCostModel:
         return {
             "sizes": self.sizes,
             "times_ms": self.times_ms,
+            "profile_ms": self._profile,
             "level_ms": self.level_ms,
             "observations": self.observations,
         }

@@ -49,3 +49,11 @@ def test_traced_rounds_are_read_back_with_their_place_in_a_run(tmp_path, monkeyp
     assert [r[4] for r in got] == places
     assert {r[2] / r[3] for r in got if r[1]} == {1.0}
     assert False in modes and True in modes  # both modes were traced
+
+
+def test_round_positions_are_split_as_asked():
+    reader = _load("gate_rounds", EXAMPLES / "gate_rounds.py")
+    assert reader._position_span("4") == ("4", 4, 4)
+    assert reader._position_span("2-5") == ("2-5", 2, 5)
+    name, lo, hi = reader._position_span("11+")
+    assert (name, lo) == ("11+", 11) and hi > 10**6
