@@ -173,6 +173,16 @@ class AdaFlashWorkerExtension:
         policy.needs_history = bool(enable)
         return policy.needs_history
 
+    def adaflash_debug_block_cap(self, enable: bool) -> bool:
+        """Experiments (examples/compare_no_draft.py `adaflash:nocap`): with
+        False, chosen budgets never cap the drafter's block (block_length.py).
+        Returns whether they do now."""
+        block = getattr(self.model_runner.drafter, "block_length", None)
+        if not hasattr(block, "capping"):
+            raise ValueError("no adaptive block length in this engine")
+        block.capping = bool(enable)
+        return block.capping
+
     def adaflash_debug_gate(self, settings: dict[str, float]) -> dict[str, Any]:
         """Experiments: set draft-gate parameters (`DraftGate` fields such as
         `switch_z` or `max_interval`) on the running gate; returns its state.

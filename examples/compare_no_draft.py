@@ -16,7 +16,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 `length.adaptive_block: true`, the default since run 23), `adaflash:fullblock`
 (`adaptive_block: false`: the drafter's full block always), `adaflash:explored`
 (the gate's checks of skipping explore it, as before run 23), `adaflash:nohist`
-(a length head with history never reads the previous round), `adaflash:noskip`
+(a length head with history never reads the previous round), `adaflash:nocap`
+(chosen budgets never cap the drafter's block, as before run 32), `adaflash:noskip`
 (`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`),
 `adaflash:eagerchecks` (the draft gate's checks of drafting under load
 not spaced by what they lose, as before run 31),
@@ -56,6 +57,7 @@ _ADAFLASH_VARIANTS = {
     "fullblock": {"adaptive_block": False},  # the drafter's full block always
     "explored": {},  # checks of skipping explore it (before run 23)
     "nohist": {},  # the length head never reads the previous round
+    "nocap": {},  # chosen budgets never cap the block (before run 32)
     "slow01": {},  # long-run rate over ~100 one-request rounds at every B
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
     "eagerchecks": {},  # checks of drafting not spaced by their loss (before run 31)
@@ -164,6 +166,8 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
         llm.collective_rpc("adaflash_debug_gate", args=(settings,))
     if "nohist" in _variant_parts(config.partition(":")[2]):
         llm.collective_rpc("adaflash_debug_head_history", args=(False,))
+    if "nocap" in _variant_parts(config.partition(":")[2]):
+        llm.collective_rpc("adaflash_debug_block_cap", args=(False,))
     return llm
 
 

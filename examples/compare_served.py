@@ -26,6 +26,8 @@ Configurations (K = 7, the demo drafter):
                  decisively, requests drop the drafter's context upkeep)
     single       the same with one draft gate for every batch size
                  (`adaflash_debug_gate` with `per_batch_size: 0`)
+    nocap        the same without the budgets' cap on the drafter's block
+                 (`adaflash_debug_block_cap`; as before run 32)
 
 The variants that need an RPC get it through `vllm serve`'s /collective_rpc
 (`VLLM_SERVER_DEV_MODE=1`, on every server here so that all run the same server).
@@ -53,6 +55,7 @@ _BENCH_NAME = {  # bench.configs names; plain and dflash are their own
     "paper": "adaflash:paper",
     "retire": "adaflash:cost_aware",  # retire_when_skipping set below
     "single": "adaflash:cost_aware",  # one gate set over RPC
+    "nocap": "adaflash:cost_aware",  # the budgets' block cap off over RPC
 }
 _RPC = {  # the calls each configuration gets once its server is up
     "no_draft": [("adaflash_debug_draft_every", [10**9])],
@@ -61,6 +64,7 @@ _RPC = {  # the calls each configuration gets once its server is up
         ("adaflash_debug_context_upkeep", [False]),
     ],
     "single": [("adaflash_debug_gate", [{"per_batch_size": 0}])],
+    "nocap": [("adaflash_debug_block_cap", [False])],
 }
 
 

@@ -70,7 +70,7 @@ _NO_DRAFT_VARIANTS = {
 
 
 # what the summary keeps of each batch-size bucket's block length
-_BLOCK_KEYS = ("length", "trials", "switches", "undecided", "extended")
+_BLOCK_KEYS = ("length", "trials", "switches", "undecided", "extended", "cap", "capped")
 
 
 def _compared(name: str, base: str) -> bool:
@@ -292,7 +292,8 @@ def main() -> None:
                 "skipped_steps": gate.get("skipped_steps"),
                 "buckets": buckets,
                 # per batch-size bucket: L*, trials, switches, full blocks run
-                # after a fully accepted round
+                # after a fully accepted round, the budgets' cap and the steps
+                # it shortened
                 "block_length": {
                     b: {k: g.get(k) for k in _BLOCK_KEYS}
                     for b, g in (block.get("buckets") or {}).items()

@@ -48,6 +48,30 @@ round in which every request accepted all its drafts the step drafts the full
 block whatever L* is, and such rounds are left out of the S_j (which weigh L*
 for the other rounds).
 
+Budgets cap the block. Under load the cost-aware budgets verify a draft or two
+for most requests, yet the drafter drafts all K slots for every request: at 16
+requests on the CPU demo a drafting round of K = 7 costs ~10 ms more than one of
+K = 2 for 5% more tokens (always drafting, engines stepped in turn: K = 7 0.73,
+K = 2 0.91 of plain; BENCHMARKS.md run 32), and drafting steps are too rare
+there (the draft gate skips most) for trials to move L*. Budgets weigh a slot's
+verification only (the drafting is paid when they choose); a slot position j of
+the next block also costs its drafting, B slots' worth. So after a step whose
+budgets were chosen, the bucket's next steps draft at most `cap` slots: the last
+position j whose chosen slots' expected tokens (their count times S_j of
+verified rounds, `PositionSurvival`: the survivals the budgets read, from the
+drafts' confidence in a block shorter than the length head's, priced the third
+slot at 16 requests far above the ~0.07 tokens it brought) are at least the
+round's rate (tokens per ms, from the same) times B x (one slot's drafting,
+`DraftSlotCost`) + (its chosen slots) x (one verified token's cost, the
+step-cost curve's slope), both sides as EMAs over the bucket's chosen steps (at one
+request a step is one text's moment). When every position of the block pays, the
+cap is one more (so that it can grow; a round in which every request accepted
+every draft also runs the full block, as above). The cap holds for every
+drafting step of the bucket, also those that verify every draft without choosing
+(`BudgetUse`: there the choice's gain over the capped block is small, and
+uncapped those steps drafted and verified all of L*). A capped step takes no
+turn in a trial.
+
 L* starts at K. A trial that adopts L' is followed at once by the next one;
 otherwise trials back off (`min_interval` doubling to `max_interval` drafting
 steps). L' takes turns between L* - 1, L* + 1
@@ -63,6 +87,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from adaflash_vllm.proposers.draft_gate import batch_bucket
 from adaflash_vllm.proposers.ratio_ema import running_weight
 
@@ -124,6 +149,39 @@ class PositionSurvival:
         return out
 
 
+class DraftSlotCost:
+    """What one more query slot of the drafter's block costs (ms), from drafting
+    rounds of several sizes: a least-squares line of drafting time against
+    slots (B (L + 1)) over EMAs of the sums. Until the slots seen spread, or if
+    the line says more, the whole round's time per slot (every part of a round
+    taken as growing with its slots: an upper bound)."""
+
+    def __init__(self, ema: float = 0.1):
+        self.ema = ema
+        self.count = 0
+        self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, slots: int, ms: float) -> float:
+        """Take one round (`slots` query slots, drafting `ms`); the cost per slot."""
+        if slots <= 0 or ms <= 0:
+            return self.per_slot(slots, ms)
+        self.count += 1
+        w = max(self.ema, 1.0 / self.count)  # the plain mean of the first rounds
+        self.x += w * (slots - self.x)
+        self.y += w * (ms - self.y)
+        self.xx += w * (slots * slots - self.xx)
+        self.xy += w * (slots * ms - self.xy)
+        return self.per_slot(slots, ms)
+
+    def per_slot(self, slots: int, ms: float) -> float:
+        whole = ms / slots if slots > 0 and ms > 0 else 0.0
+        var = self.xx - self.x * self.x
+        if self.count < 2 or var <= (0.05 * self.x) ** 2:
+            return whole
+        slope = (self.xy - self.x * self.y) / var
+        return min(max(slope, 0.0), whole)
+
+
 @dataclass
 class _Bucket:
     """One batch-size bucket's block length and its trials."""
@@ -142,6 +200,15 @@ class _Bucket:
     extended: int = 0  # full blocks run after a fully accepted round
     undecided: int = 0  # trials that ran out of pairs (L* stayed)
     last_trial: dict | None = None  # L', gain, its standard error, pairs
+    cap: int | None = None  # block the last chosen step's budgets pay for
+    capped: int = 0  # steps that drafted fewer slots for the cap
+    draft_cost: DraftSlotCost = field(default_factory=lambda: DraftSlotCost())
+    # per slot position, EMAs over chosen steps: its chosen slots' expected
+    # tokens, and what its drafting and their verification cost in tokens at
+    # the round's rate; and the steps that saw it
+    pay_tokens: np.ndarray = field(default=None)
+    pay_cost: np.ndarray = field(default=None)
+    pay_steps: np.ndarray = field(default=None)
 
 
 @dataclass
@@ -161,6 +228,10 @@ class BlockLength:
     # a bucket's first drafting steps run the full block without a trial: the
     # first steps of a batch size run slower (1.2-3x at one request here)
     warmup_steps: int = 16
+    capping: bool = True  # False: budgets never cap the block (experiments)
+    # the cap's per-position EMAs: weight per request in a step, and at most
+    pay_ema_per_request: float = 0.05
+    pay_ema_max: float = 0.3
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -176,6 +247,9 @@ class BlockLength:
                 length=self.full,
                 interval=self.min_interval,
                 trial_at=self.warmup_steps,
+                pay_tokens=np.zeros(self.full),
+                pay_cost=np.zeros(self.full),
+                pay_steps=np.zeros(self.full),
             )
         return b
 
@@ -194,12 +268,67 @@ class BlockLength:
             if other is not None:
                 b.other, b.pairs, b.open_star, b.turn = other, [], None, 0
         if b.other is None:
-            return b.length
+            return self._capped(b, b.length)
         b.turn += 1
-        b.pending = b.other if b.turn % 2 == 0 else b.length
-        if b.pending == b.length:
+        turn = b.other if b.turn % 2 == 0 else b.length
+        if turn == b.length:
             b.open_star = None  # a pair is two neighbouring rounds
-        return b.pending
+        length = self._capped(b, turn)
+        b.pending = turn if length == turn else None  # capped: not a turn
+        return length
+
+    def _capped(self, b: _Bucket, length: int) -> int:
+        if not self.capping or b.cap is None or b.cap >= length:
+            return length
+        b.capped += 1
+        return b.cap
+
+    def record_budgets(
+        self,
+        num_reqs: int,
+        budgets: Sequence[int],
+        survival: Sequence[Sequence[float]],
+        *,
+        length: int,
+        round_ms: float,
+        verify_ms_per_token: float,
+        draft_ms: float,
+        measured: Sequence[float] | None = None,
+    ) -> None:
+        """A chosen drafting step of block `length`: each request's budget and
+        survivals (s[i][j - 1], j <= length), the round's expected time (its
+        drafting and the verification of the budgets), what one more verified
+        token costs and the drafting's time. `measured`: S_j of verified rounds
+        (`PositionSurvival`), which then price each position in place of the
+        survivals (predicted ones can be far off deep in a block: run 32).
+        Sets the bucket's cap for its next drafting steps (module docstring)."""
+        b = self._bucket(num_reqs)
+        slot_ms = b.draft_cost.observe(num_reqs * (length + 1), draft_ms)
+        s = np.asarray(survival, dtype=np.float64)[:, :length]  # [B, L]
+        k = np.asarray(budgets, dtype=np.int64)[:, None]
+        chosen = np.arange(1, s.shape[1] + 1)[None, :] <= k  # slot (i, j) verified
+        if measured is not None and len(measured) >= s.shape[1]:
+            tokens = chosen.sum(0) * np.asarray(measured[: s.shape[1]], np.float64)
+        else:
+            tokens = (s * chosen).sum(0)  # [L] expected tokens of each position
+        rate = (num_reqs + tokens.sum()) / round_ms if round_ms > 0 else 0.0
+        ms = num_reqs * slot_ms + chosen.sum(0) * verify_ms_per_token
+        n = tokens.size
+        # EMAs per position over chosen steps (a step of B requests weighs as B
+        # one-request steps would, up to `pay_ema_max`): at one request a step's
+        # survivals are one text's moment
+        w = min(self.pay_ema_max, 1.0 - (1.0 - self.pay_ema_per_request) ** num_reqs)
+        b.pay_steps[:n] += 1
+        w = np.maximum(w, 1.0 / b.pay_steps[:n])  # the plain mean of the first
+        b.pay_tokens[:n] += w * (tokens - b.pay_tokens[:n])
+        b.pay_cost[:n] += w * (rate * ms - b.pay_cost[:n])
+        pays = np.flatnonzero(
+            (b.pay_tokens[:n] > 0) & (b.pay_tokens[:n] >= b.pay_cost[:n])
+        )
+        need = int(pays[-1]) + 1 if pays.size else 0  # the last position that pays
+        # a block whose every position pays may be short of what pays: one more
+        cap = need + 1 if need == length else need
+        b.cap = max(self.shortest, min(self.full, cap))
 
     def _next_other(self, b: _Bucket) -> int | None:
         """L' of the next trial, in turn: L* - 1, L* + 1, K (those that exist)."""
@@ -277,6 +406,8 @@ class BlockLength:
                     "extended": b.extended,
                     "undecided": b.undecided,
                     "last_trial": b.last_trial,
+                    "cap": b.cap,
+                    "capped": b.capped,
                 }
                 for key, b in sorted(self.buckets.items())
             },

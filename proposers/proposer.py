@@ -449,15 +449,15 @@ class AdaFlashProposer(DFlashProposer):
         block = self.block_length
         if block is not None and block.full != full:
             block = None
+        use = getattr(self.budget_policy, "use", None)
+        self._choosing = use is None or use.active(num_reqs)
+        if not self._choosing:
+            self.budget_policy.skip_choice()
         length = (
             block.next_length(num_reqs, after_full_accept=opened.full_accept)
             if block is not None
             else full
         )
-        use = getattr(self.budget_policy, "use", None)
-        self._choosing = use is None or use.active(num_reqs)
-        if not self._choosing:
-            self.budget_policy.skip_choice()
         if length != full:
             kwargs["num_speculative_tokens"] = length  # a shorter block: L <= K masks
         try:
@@ -504,6 +504,7 @@ class AdaFlashProposer(DFlashProposer):
             )
             if budgets is not None:
                 self._budgets = dict(zip(req_ids, budgets, strict=True))
+                self._cap_block(block, num_reqs, budgets, num_drafts)
             now = self._synced_clock()
             if use is not None and self.budget_policy.last_choice is not None:
                 use.record(
@@ -531,6 +532,32 @@ class AdaFlashProposer(DFlashProposer):
                 draft_token_ids, (0, full - num_drafts)
             )
         return draft_token_ids
+
+    def _cap_block(
+        self,
+        block: BlockLength | None,
+        num_reqs: int,
+        budgets: list[int],
+        num_drafts: int,
+    ) -> None:
+        """Give the block length this step's chosen budgets, from which it caps
+        the bucket's next chosen block (block_length.py)."""
+        policy, cost = self.budget_policy, self.cost_model
+        choice = getattr(policy, "last_choice", None)
+        survival = getattr(policy, "last_survival", None)
+        if block is None or cost is None or choice is None or survival is None:
+            return
+        n = num_reqs + sum(budgets)
+        block.record_budgets(
+            num_reqs,
+            budgets,
+            survival.numpy(),
+            length=num_drafts,
+            round_ms=choice["verify_ms"] + choice["draft_ms"],
+            verify_ms_per_token=(cost(n + num_reqs) - cost(n)) / num_reqs,
+            draft_ms=choice["draft_ms"],
+            measured=self._position_survival.survival(),
+        )
 
     def _skip_drafting(
         self,

@@ -289,3 +289,134 @@ def test_scripted_lengths_take_the_proposers_arguments():
     got = [block.next_length(2, after_full_accept=True) for _ in range(4)]
     assert got == [1, 2, 3, 1]
     block.record_round(length=1, num_reqs=2, round_ms=1.0, survival=None)
+
+
+def _geometric(rho: float, b: int, length: int = K) -> list[list[float]]:
+    return [[rho**j for j in range(1, length + 1)]] * b
+
+
+def _record(
+    block, b, budgets, survival, *, length=K, rate=1.0, verify=0.2, draft=4.0, **kw
+):
+    """A chosen step whose round runs at `rate` tokens per ms."""
+    s = [row[:length] for row in survival]
+    tokens = b + sum(
+        sum(row[: min(k, length)]) for row, k in zip(s, budgets, strict=True)
+    )
+    block.record_budgets(
+        b,
+        budgets,
+        s,
+        length=length,
+        round_ms=tokens / rate,
+        verify_ms_per_token=verify,
+        draft_ms=draft,
+        **kw,
+    )
+
+
+def test_chosen_budgets_cap_the_next_chosen_block():
+    """16 requests under load (1.5 tokens per ms, a verified token 0.2 ms, a
+    drafting slot 8 / 128 ms): the second position still pays (0.49 tokens
+    per request for 0.0625 + 0.2 ms, 1.5 x 0.2625 = 0.39), the third (0.34)
+    does not."""
+    block = _block()
+    assert block.next_length(16) == K  # no budgets seen yet
+    _record(block, 16, [3] * 16, _geometric(0.7, 16), rate=1.5, draft=8.0)
+    assert block.buckets[16].cap == 2
+    assert block.next_length(16) == 2
+    assert block.next_length(8) == K  # another bucket: its own cap
+    assert block.buckets[16].capped == 1
+
+
+def test_the_cap_follows_positions_over_steps_at_one_request():
+    """At one request a step's survivals are one text's moment: one hard
+    step (every position below the bar) does not cut a block whose positions
+    paid over the steps before."""
+    block = _block()
+    easy, hard = _geometric(0.9, 1), _geometric(0.05, 1)
+    for _ in range(40):
+        _record(block, 1, [K], easy, rate=0.3, verify=0.05, draft=2.4)
+    assert block.buckets[1].cap == K
+    _record(block, 1, [K], hard, rate=0.3, verify=0.05, draft=2.4)
+    assert block.buckets[1].cap == K
+    for _ in range(200):
+        _record(block, 1, [K], hard, rate=0.3, verify=0.05, draft=2.4)
+    assert block.buckets[1].cap == 1
+
+
+def test_a_block_whose_every_position_pays_grows_by_one():
+    """One request, verification nearly free: every position pays, so the cap
+    is one past the block (up to K)."""
+    block = _block()
+    _record(block, 1, [3], _geometric(0.9, 1, 3), length=3, rate=0.3, verify=0.01)
+    assert block.buckets[1].cap == 4
+    _record(block, 1, [K], _geometric(0.9, 1), rate=0.3, verify=0.01)
+    assert block.buckets[1].cap == K
+
+
+def test_positions_few_budgets_verify_are_cut():
+    """Only two of 16 requests verify past the first draft: their second slots'
+    1.28 tokens do not pay for drafting the position for all 16 (16 x 16 / 128
+    ms) and verifying two (2 x 0.2 ms) at 0.6 tokens per ms (1.44)."""
+    block = _block()
+    s = _geometric(0.8, 16)
+    _record(block, 16, [1] * 14 + [K, K], s, rate=0.6, verify=0.2, draft=16.0)
+    assert block.buckets[16].cap == 1
+    _record(block, 16, [0] * 16, s, rate=0.6, draft=8.0)  # nothing verified
+    assert block.buckets[16].cap == 1
+
+
+def test_draft_slot_cost_learns_the_slope_once_sizes_spread():
+    from adaflash_vllm.proposers.block_length import DraftSlotCost
+
+    cost = DraftSlotCost()
+    # 2 ms fixed + 0.05 ms per slot; the first sizes alike: the whole per slot
+    assert cost.observe(128, 8.4) == pytest.approx(8.4 / 128)
+    assert cost.observe(128, 8.4) == pytest.approx(8.4 / 128)
+    for slots in (48, 128, 32, 64, 128, 48) * 5:
+        got = cost.observe(slots, 2.0 + 0.05 * slots)
+    assert got == pytest.approx(0.05, rel=1e-6)
+    # a line steeper than the whole round per slot is bounded by it
+    assert cost.per_slot(10, 0.1) == pytest.approx(0.01)
+
+
+def test_a_capped_step_takes_no_turn_in_a_trial():
+    """A trial pairs rounds of L* and L'; a step cut short by the cap is
+    neither, so its round time is not paired."""
+    block = _block(trial_rounds=2)
+    assert block.next_length(4) == K  # the first trial starts: L* = 7, L' = 6
+    b = block.buckets[4]
+    assert b.other == K - 1 and b.pending == K
+    _record(block, 4, [1, 1, 0, 1], _geometric(0.5, 4), rate=0.6, draft=4.0)
+    assert b.cap == 1
+    assert block.next_length(4) == 1
+    assert b.pending is None and b.open_star is None
+    block.record_round(length=1, num_reqs=4, round_ms=5.0, survival=PROSE)
+    assert b.pairs == [] and b.open_star is None
+
+
+def test_the_cap_can_be_turned_off():
+    block = _block(capping=False)
+    _record(block, 16, [1] * 16, _geometric(0.5, 16), rate=0.6, draft=8.0)
+    assert block.next_length(16) == K
+
+
+def test_the_cap_respects_k_min():
+    block = _block(k_min=3)
+    _record(block, 16, [0] * 16, _geometric(0.5, 16), rate=0.6, draft=8.0)
+    assert block.next_length(16) == 3
+
+
+def test_measured_survival_prices_the_positions():
+    """Predicted survivals say every position pays; the S_j verification
+    measured say the third and later bring little: cut after the second."""
+    block = _block()
+    measured = [0.6, 0.4, 0.05, 0.02, 0.01, 0.01, 0.0]
+    _record(block, 16, [K] * 16, _geometric(0.9, 16), rate=0.6, draft=8.0)
+    assert block.buckets[16].cap == K
+    block = _block()
+    _record(
+        block, 16, [K] * 16, _geometric(0.9, 16), rate=0.6, draft=8.0, measured=measured
+    )
+    assert block.buckets[16].cap == 2

@@ -103,6 +103,9 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
         assert buckets, budget["block_length"]
         assert all(1 <= b["length"] <= K for b in buckets.values()), buckets
         assert sum(b["drafting_steps"] for b in buckets.values()) == drafted, buckets
+        # Chosen budgets capped the block of their bucket's next steps.
+        caps = [b["cap"] for b in buckets.values() if b["cap"] is not None]
+        assert caps and all(1 <= c <= K for c in caps), buckets
     else:
         assert budget["block_length"] is None
 
