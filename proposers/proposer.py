@@ -541,7 +541,7 @@ class AdaFlashProposer(DFlashProposer):
         num_drafts: int,
     ) -> None:
         """Give the block length this step's chosen budgets, from which it caps
-        the bucket's next chosen block (block_length.py)."""
+        the bucket's next blocks (block_length.py)."""
         policy, cost = self.budget_policy, self.cost_model
         choice = getattr(policy, "last_choice", None)
         survival = getattr(policy, "last_survival", None)
