@@ -51,7 +51,7 @@ for the other rounds).
 Budgets cap the block. Under load the cost-aware budgets verify a draft or two
 for most requests, yet the drafter drafts all K slots for every request: at 16
 requests on the CPU demo a drafting round of K = 7 costs ~10 ms more than one of
-K = 2 for 5% more tokens (always drafting, engines stepped in turn: K = 7 0.73,
+K = 2 for 8% more tokens (always drafting, engines stepped in turn: K = 7 0.73,
 K = 2 0.91 of plain; BENCHMARKS.md run 32), and drafting steps are too rare
 there (the draft gate skips most) for trials to move L*. Budgets weigh a slot's
 verification only (the drafting is paid when they choose); a slot position j of
@@ -60,7 +60,7 @@ budgets were chosen, the bucket's next steps draft at most `cap` slots: the last
 position j whose chosen slots' expected tokens (their count times S_j of
 verified rounds, `PositionSurvival`: the survivals the budgets read, from the
 drafts' confidence in a block shorter than the length head's, priced the third
-slot at 16 requests far above the ~0.07 tokens it brought) are at least the
+slot at 16 requests far above the ~0.03 tokens it brought) are at least the
 round's rate (tokens per ms, from the same) times B x (one slot's drafting,
 `DraftSlotCost`) + (its chosen slots) x (one verified token's cost, the
 step-cost curve's slope), both sides as EMAs over the bucket's chosen steps (at one
