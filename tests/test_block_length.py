@@ -315,7 +315,7 @@ def _record(
     )
 
 
-def test_chosen_budgets_cap_the_next_chosen_block():
+def test_chosen_budgets_cap_the_buckets_next_blocks():
     """16 requests under load (1.5 tokens per ms, a verified token 0.2 ms, a
     drafting slot 8 / 128 ms): the second position still pays (0.49 tokens
     per request for 0.0625 + 0.2 ms, 1.5 x 0.2625 = 0.39), the third (0.34)
