@@ -160,13 +160,14 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
     if config in ("no_draft", "adaflash:never"):
         llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))
     settings = {}
-    for part in _variant_parts(config.partition(":")[2]):
+    parts = _variant_parts(config.partition(":")[2])
+    for part in parts:
         settings.update(_GATE_SETTINGS.get(part, {}))
     if config.startswith("adaflash:") and settings:
         llm.collective_rpc("adaflash_debug_gate", args=(settings,))
-    if "nohist" in _variant_parts(config.partition(":")[2]):
+    if "nohist" in parts:
         llm.collective_rpc("adaflash_debug_head_history", args=(False,))
-    if "nocap" in _variant_parts(config.partition(":")[2]):
+    if "nocap" in parts:
         llm.collective_rpc("adaflash_debug_block_cap", args=(False,))
     return llm
 

@@ -166,7 +166,7 @@ class DraftSlotCost:
         if slots <= 0 or ms <= 0:
             return self.per_slot(slots, ms)
         self.count += 1
-        w = max(self.ema, 1.0 / self.count)  # the plain mean of the first rounds
+        w = running_weight(self.ema, self.count)  # the plain mean of the first
         self.x += w * (slots - self.x)
         self.y += w * (ms - self.y)
         self.xx += w * (slots * slots - self.xx)
