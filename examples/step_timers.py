@@ -12,7 +12,12 @@ costs ~3x what a micro-benchmark of the same call says.
 Several configurations in one run (`--configs adaflash,dflash:5`) take every
 prompt in turn, in an order reversed each prompt, so that the machine's speed
 swings land on all of them alike; the table then has one column per
-configuration. Run (about 4 minutes on one core for two):
+configuration. Besides compare_no_draft.py's configurations, `no_draft:noctx`
+never drafts and skips the drafter's context upkeep too, and `no_draft:eager`
+writes that upkeep at every step instead of batching it. `--twins` builds each
+configuration twice at mirrored places and pools the pair: the place an engine
+is built at moves all of its timings (run 33), not only AdaFlash's parts.
+Run (about 4 minutes on one core for two):
     taskset -c 0 python examples/step_timers.py --configs adaflash,dflash:5 \
         --num-prompts 40
 """
@@ -34,6 +39,8 @@ RUNNER = (
     "sample_tokens",
     "_prepare_inputs",
     "_calc_spec_decode_metadata",
+    "_build_attention_metadata",
+    "_model_forward",
     "_bookkeeping_sync",
     "propose_draft_token_ids",
     "take_draft_token_ids",
@@ -152,6 +159,12 @@ def install(worker, config: str) -> bool:
     return True
 
 
+def _write_every_step(worker) -> None:
+    """`no_draft:eager`: the skipped steps' context K/V written at each step, not
+    queued for one batched write (proposer.MAX_DEFERRED_TOKENS)."""
+    worker.model_runner.drafter._deferred.limit = 1
+
+
 def gate_summary(worker) -> dict | None:
     """The draft gate's counters per batch-size bucket (None: no gate)."""
     gate = getattr(getattr(worker.model_runner, "drafter", None), "draft_gate", None)
@@ -159,7 +172,10 @@ def gate_summary(worker) -> dict | None:
         return None
     keys = ("drafted_steps", "skipped_steps", "switches", "explorations")
     keys += ("predicted_checks", "predicted_switches")
-    return {b: {k: g[k] for k in keys} for b, g in gate.to_dict()["buckets"].items()}
+    buckets = gate.to_dict().get("buckets")
+    if buckets is None:  # a scripted gate (no_draft): no buckets
+        return None
+    return {b: {k: g[k] for k in keys} for b, g in buckets.items()}
 
 
 def report(configs: list[str], steps: dict[str, int]) -> list[dict]:
@@ -207,10 +223,17 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=100, help="prompts left out first")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", help="also write the table as JSON here")
+    p.add_argument(
+        "--twins",
+        action="store_true",
+        help="build every configuration twice at mirrored places and pool the pair",
+    )
     args = p.parse_args()
     in_process_engines(1)  # GiB per engine (2 for 64 requests of 1,024 tokens)
     from tqdm import tqdm
     from vllm import SamplingParams
+
+    from adaflash_vllm.bench.stepped import config_of, twin_build_order
 
     configs = args.configs.split(",")
     # AdaFlash's worker patches, applied when its first engine is built, make
@@ -218,13 +241,25 @@ def main() -> None:
     # (compare_steps.py): a spare AdaFlash engine first, never stepped.
     first = configs[0]
     spare = _engine("adaflash", 1) if not first.startswith("adaflash") else None
+    # Engines built later in a process step at their own speed (BENCHMARKS.md
+    # runs 25, 33): `--twins` builds each configuration twice at mirrored places
+    # (A B B' A') and pools each pair's timers under the configuration's name.
+    names = twin_build_order(configs) if args.twins else configs
     engines = {}
-    for config in configs:
-        llm = engines[config] = _engine(config, args.concurrency)
+    for name in names:
+        config = config_of(name)
+        llm = engines[name] = _engine(
+            config.partition(":")[0] if config.startswith("no_draft") else config,
+            args.concurrency,
+        )
+        if config == "no_draft:noctx":  # never drafting, without the context upkeep
+            llm.collective_rpc("adaflash_debug_context_upkeep", args=(False,))
+        if config == "no_draft:eager":  # never drafting, upkeep written every step
+            llm.collective_rpc(_write_every_step)
         llm.collective_rpc(install, args=(config,))
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         timed(scheduler, SCHEDULER, f"{config}/scheduler")
-    tokenizer = engines[configs[0]].get_tokenizer()
+    tokenizer = engines[names[0]].get_tokenizer()
     conc = args.concurrency
     prompts = demo_prompts(tokenizer)
     prompts = (prompts * (1 + (args.skip + conc + args.num_prompts) // len(prompts)))[
@@ -234,13 +269,13 @@ def main() -> None:
     for llm in engines.values():
         llm.generate(prompts[:conc], params, use_tqdm=False)  # warm-up, not counted
     ACC.clear()
-    order = list(configs)
+    order = list(names)
     batches = [prompts[i : i + conc] for i in range(conc, len(prompts), conc)]
     for batch in tqdm(batches, desc=f"batches of {conc}"):
-        for config in order:
+        for name in order:
             t = time.perf_counter()
-            engines[config].generate(batch, params, use_tqdm=False)
-            charge(f"{config}/generate (wall)", t)
+            engines[name].generate(batch, params, use_tqdm=False)
+            charge(f"{config_of(name)}/generate (wall)", t)
         order.reverse()
     del spare
     steps = {c: ACC[f"{c}/runner.execute_model"][0] for c in configs}
@@ -256,11 +291,11 @@ def main() -> None:
     forwards.sort(key=lambda r: r["function"])
     print_table("forward by tokens: us per call", forwards, configs, "us_per_call")
     gates = {}
-    for config, llm in engines.items():
+    for name, llm in engines.items():
         gate = llm.collective_rpc(gate_summary)[0]
         if gate is not None:
-            gates[config] = gate
-            print(f"{config} draft gate per bucket:", json.dumps(gate))
+            gates[name] = gate
+            print(f"{name} draft gate per bucket:", json.dumps(gate))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -70,6 +70,7 @@ class _DeferredContext:
     overhead dominates (CPU, small batches)."""
 
     def __init__(self) -> None:
+        self.limit = MAX_DEFERRED_TOKENS  # written once this many wait (measurements)
         self._clear()
 
     def _clear(self) -> None:
@@ -610,7 +611,7 @@ class AdaFlashProposer(DFlashProposer):
                 # Tokens a drafting round verified are that round's cost.
                 charged=last is None or not last.drafted,
             )
-        if self._deferred.tokens >= MAX_DEFERRED_TOKENS:
+        if self._deferred.tokens >= self._deferred.limit:
             self._deferred.write(self.model)  # this skipped step pays for it
         self._budgets = dict.fromkeys(req_ids, 0)
         now = self._synced_clock()
