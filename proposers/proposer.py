@@ -768,32 +768,34 @@ class AdaFlashProposer(DFlashProposer):
     ) -> int:
         """Refresh the cost curve from the step that just ran (from the end of the
         last propose to the start of this one: scheduling, the target's forward
-        of `num_tokens` tokens and verification) when it ran no new request, even
-        if some had finished (those steps are common under load). The acceptance
-        calibration learns only from pure decode steps of the same batch (so the
-        drafts verified were exactly those predicted). Returns the drafts the step
-        accepted."""
+        of `num_tokens` tokens and verification) when it ran the same requests as
+        the last one. Not after a request finished: served, that step also pays
+        the API server's turnover (the finished response, the next request's
+        arrival) on the same core, 40% of a skipped step at 16 requests, and the
+        curve's point at B - 1 tokens took it as a cost of tokens that its
+        running max then spread over every larger count, erasing the slope
+        (BENCHMARKS.md run 33). The acceptance calibration learns from the same
+        steps (the drafts verified were exactly those predicted). Returns the
+        drafts the step accepted."""
         if self.cost_model is None and self.draft_gate is None:
             return 0
         before, self._accepted_total = self._accepted_total, self._sampler_accepted()
         accepted = self._accepted_total - before  # drafts the last step verified
-        # Only steps that ran requests already in the last one (some may have
-        # finished): a new request brings a prompt chunk, and a step with nothing in
-        # common may follow idle time (every request had finished). Token counts
-        # past the table would all land on its last point.
+        # Only steps that ran the requests of the last one: a new request brings
+        # a prompt chunk, a finished one the turnover above, and a step with
+        # nothing in common may follow idle time (every request had finished).
+        # Token counts past the table would all land on its last point.
         if (
             self.cost_model is None
             or last is None
             or not batch
-            or not batch <= last.batch
+            or batch != last.batch
             or num_tokens > self.cost_model.sizes[-1]
         ):
             return accepted
         self.cost_model.observe(num_tokens, 1e3 * (started - last.ended))
-        same_batch = batch == last.batch
         if (
-            same_batch
-            and last.drafted
+            last.drafted
             and hasattr(self.budget_policy, "observe_accepted")
             and not _retired_in(self, batch)
         ):

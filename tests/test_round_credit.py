@@ -107,3 +107,31 @@ def test_an_excluded_gap_leaves_the_round_and_the_step_cost():
         types.SimpleNamespace(cost_model=None), gate, last, last.batch, 10.08, 1, 2
     )
     assert gate.rounds[0]["ms"] == pytest.approx(50.0)
+
+
+def _observed(last_batch, batch, num_tokens=2):
+    """How many observations the cost curve took from one step (last propose
+    ended at 10.002 s, this one started at 10.05 s)."""
+    cost = StepCostModel([1, 128], [10.0, 35.4])
+    proposer = types.SimpleNamespace(
+        cost_model=cost,
+        draft_gate=None,
+        budget_policy=None,
+        _accepted_total=0,
+        _sampler_accepted=lambda: 0,
+    )
+    last = _Propose(10.0, 10.002, frozenset(last_batch), False)
+    AdaFlashProposer._observe_step_cost(
+        proposer, last, frozenset(batch), 10.05, num_tokens
+    )
+    return cost.observations, cost(num_tokens)
+
+
+def test_the_cost_curve_learns_only_from_steps_of_the_same_requests():
+    """A step after a request finished is left out (served, it also pays the
+    API server's turnover: run 33), as is one with a new request or none."""
+    observations, after = _observed({"a", "b"}, {"a", "b"})
+    assert observations == 1 and after > StepCostModel([1, 128], [10.0, 35.4])(2)
+    assert _observed({"a", "b", "c"}, {"a", "b"})[0] == 0  # c finished
+    assert _observed({"a", "b"}, {"a", "b", "new"})[0] == 0
+    assert _observed({"a"}, set())[0] == 0
