@@ -688,4 +688,5 @@ def gate_counters(gate, retired=None) -> dict[str, int]:
     if retired is not None:
         counters["retired_requests"] = retired.retired_total
         counters["retired_on_cache_hit"] = retired.retired_on_hit
+        counters["unretired_requests"] = retired.unretired_total
     return counters

@@ -64,10 +64,12 @@ DRAFTER = (
     "build_model_inputs_first_pass",
     "_round_history",
     "_sample_draft_tokens",
+    "_cap_block",
+    "_synced_clock",
 )
 SAMPLER = ("forward", "_record", "stats", "accepted_total")
 GATE = ("should_draft", "record_round")
-BLOCK = ("next_length", "record_round")
+BLOCK = ("next_length", "record_round", "record_budgets")
 SCHEDULER = (
     "schedule",
     "update_from_output",
@@ -131,7 +133,7 @@ def install(worker, config: str) -> bool:
         ("draft_gate", GATE, "gate"),
         ("block_length", BLOCK, "block"),
         ("_position_survival", ("update",), "survival"),
-        ("budget_policy", ("choose",), "policy"),
+        ("budget_policy", ("choose", "allocate"), "policy"),
         ("_deferred", ("add", "write"), "deferred"),
         (
             "model",
@@ -153,6 +155,9 @@ def install(worker, config: str) -> bool:
                 timed(cost, ("observe",), f"{config}/cost")
 
         drafter.ensure_cost_profile = ensure_cost_profile
+    head = getattr(getattr(drafter.budget_policy, "survival", None), "head", None)
+    if head is not None:  # the length head's own forward
+        timed(head, ("survival", "ratio"), f"{config}/head")
     use = getattr(getattr(drafter, "budget_policy", None), "use", None)
     if use is not None:
         timed(use, ("active", "record"), f"{config}/budget_use")
@@ -163,6 +168,15 @@ def _write_every_step(worker) -> None:
     """`no_draft:eager`: the skipped steps' context K/V written at each step, not
     queued for one batched write (proposer.MAX_DEFERRED_TOKENS)."""
     worker.model_runner.drafter._deferred.limit = 1
+
+
+def budget_use_summary(worker) -> dict | None:
+    """BudgetUse's per-bucket gain and overhead (None: no cost_aware policy)."""
+    policy = getattr(
+        getattr(worker.model_runner, "drafter", None), "budget_policy", None
+    )
+    use = getattr(policy, "use", None)
+    return None if use is None else use.to_dict()
 
 
 def gate_summary(worker) -> dict | None:
@@ -296,6 +310,9 @@ def main() -> None:
         if gate is not None:
             gates[name] = gate
             print(f"{name} draft gate per bucket:", json.dumps(gate))
+        use = llm.collective_rpc(budget_use_summary)[0]
+        if use is not None:
+            print(f"{name} budget use:", json.dumps(use))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -371,8 +371,13 @@ class AdaFlashProposer(DFlashProposer):
             )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
-            if draft and _retired_in(self, batch) and self.retired.retired >= batch:
-                draft = False  # every request is retired: nobody would verify
+            if draft and _retired_in(self, batch):
+                if not self._retiring_now():
+                    # This batch size's gate drafts (the load fell): retired
+                    # requests draft again, holes and all (retired_context.py).
+                    self.retired.unretire(batch)
+                elif self.retired.retired >= batch:
+                    draft = False  # every request is retired: nobody would verify
         return _Opened(started, req_ids, batch, last, draft, full_accept)
 
     def propose_early(

@@ -5,8 +5,14 @@ token the target ran (`_DeferredContext`), so that a later drafting step reads a
 complete context. Where skipping wins decisively (under load on a CPU, the
 demo's drafter costs ~5% of the target's multiply-adds per token in that
 upkeep alone), `adaflash.length.retire_when_skipping` stops it: every request
-of such a step, in its prompt or in decode, is *retired*, its context K/V has
-holes from then on, and it never verifies a draft again (budget 0).
+of such a step, in its prompt or in decode, is *retired*: its context K/V has
+holes from then on, and it verifies no draft (budget 0) while it stays retired.
+A retired request drafts again (`unretire`) once it is in a step whose batch
+size's gate follows drafting (the load fell): the drafter then attends to its
+holes as they are (slots never written for it). That costs acceptance, not
+exactness: on the demo models, 16 requests whose prompt and first 30 tokens
+were holes accepted 0.713 drafts a round against 0.824 with the upkeep
+(BENCHMARKS.md run 34).
 
 A hole is in a KV cache block that vLLM's prefix cache may hand to a later
 request (a shared system prompt, a follow-up turn whose prompt contains a
@@ -44,6 +50,7 @@ class RetiredContext:
         self.retired: set[str] = set()
         self.holey: set[int] = set()
         self.retired_total = 0  # requests retired so far (metrics)
+        self.unretired_total = 0  # of them drafting again (`unretire`)
         self.retired_on_hit = 0  # of them at admission, on a hit with holes
         # skipped steps' context tokens whose upkeep ran / was dropped (metrics)
         self.kept_tokens = 0
@@ -63,6 +70,16 @@ class RetiredContext:
             self.holey |= new
             self._added |= new
             self._removed -= new
+
+    def unretire(self, req_ids: Iterable[str]) -> int:
+        """`req_ids` draft again, their holes as they are (the blocks keep their
+        marks: a prefix hit on them is still judged by `admit` and
+        `PrefixHoles`). Returns how many were retired."""
+        back = self.retired.intersection(req_ids)
+        if back:
+            self.retired -= back
+            self.unretired_total += len(back)
+        return len(back)
 
     def admit(self, req_id: str, block_ids: list[int], num_cached: int) -> bool:
         """A request (new, or resumed after preemption) was given `block_ids`, the
@@ -114,6 +131,7 @@ class RetiredContext:
             "retired_now": len(self.retired),
             "retired_total": self.retired_total,
             "retired_on_hit": self.retired_on_hit,
+            "unretired_total": self.unretired_total,
             "holey_blocks": len(self.holey),
             "upkeep_kept_tokens": self.kept_tokens,
             "upkeep_dropped_tokens": self.dropped_tokens,

@@ -62,6 +62,16 @@ def test_forget_finished_is_amortised_and_keeps_live_ids():
     assert rc.retired_total == 20  # the counter is cumulative
 
 
+def test_unretire_lets_requests_draft_again_and_keeps_the_holes():
+    rc = RetiredContext(BS)
+    rc.retire(["a", "b"], [8, 9])  # block 2
+    assert rc.unretire(["a", "c"]) == 1  # c was never retired
+    assert rc.retired == {"b"} and rc.unretired_total == 1
+    assert rc.holey == {2}  # its slots were never written: still holes
+    assert rc.admit("follow_up", [2, 5], num_cached=BS)  # a hit on them retires
+    assert rc.unretire(["a"]) == 0 and rc.unretired_total == 1
+
+
 def test_no_holes_means_admit_changes_nothing():
     rc = RetiredContext(BS)
     assert not rc.admit("a", [1, 2, 3], num_cached=8)
@@ -70,6 +80,7 @@ def test_no_holes_means_admit_changes_nothing():
         "retired_now": 0,
         "retired_total": 0,
         "retired_on_hit": 0,
+        "unretired_total": 0,
         "holey_blocks": 0,
         "upkeep_kept_tokens": 0,
         "upkeep_dropped_tokens": 0,

@@ -222,3 +222,47 @@ def test_retired_blocks_retire_hits_then_are_recomputed(adaflash):
     assert metrics(llm)["vllm:adaflash_retired_prefix_cuts"] >= 1
     drafted, hit, third = run(follow_up)  # the blocks it recomputed are cached
     assert third == tokens and hit == cached and drafted > 0
+
+
+@pytest.mark.parametrize("adaflash", ["retire"], indirect=True)
+def test_a_retired_request_drafts_again_once_the_engine_drafts(adaflash, baseline):
+    """A request retired mid-generation (every step skipped, the engine
+    retiring) drafts again once the engine no longer retires and its steps
+    draft: its holes stay, its drafts are verified, its tokens are plain vLLM's.
+    Stepped one engine step at a time so that the mode changes inside one
+    request's life. Runs after the prefix test (which turns retirement off)."""
+    from vllm import SamplingParams
+
+    llm = adaflash["llm"]
+    engine = llm.llm_engine
+
+    def state() -> dict:
+        return llm.collective_rpc("adaflash_budget_state")[0]
+
+    def verified_drafts() -> int:
+        hist = llm.collective_rpc("adaflash_sampler_stats")[0]["verify_hist"]
+        return sum(k * rounds for k, rounds in enumerate(hist))
+
+    llm.collective_rpc("adaflash_debug_retire", args=(True, True))
+    llm.collective_rpc("adaflash_debug_draft_every", args=(10**9,))  # skip all
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine.add_request("unretire-0", PROMPTS[2], params)
+    outputs = []
+    for _ in range(6):  # the prompt and five tokens, each step retiring
+        outputs += engine.step()
+    before = state()["retired"]
+    assert before["retired_now"] >= 1, before
+    drafted = verified_drafts()
+
+    llm.collective_rpc("adaflash_debug_retire", args=(False,))
+    llm.collective_rpc("adaflash_debug_draft_every", args=(1,))  # draft every step
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    after = state()["retired"]
+    assert after["unretired_total"] == before["unretired_total"] + 1, after
+    assert after["retired_now"] == before["retired_now"] - 1, after  # (ids of
+    # finished requests stay in the set until it is trimmed: forget_finished)
+    assert verified_drafts() > drafted  # it verified drafts again
+    assert metrics(llm)["vllm:adaflash_unretired_requests"] >= 1
+    final = [o for o in outputs if o.request_id == "unretire-0" and o.finished]
+    assert list(final[0].outputs[0].token_ids) == baseline["greedy"][2]
