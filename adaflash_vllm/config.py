@@ -64,8 +64,8 @@ class LengthConfig(_Struct):
     retire_when_skipping: bool = False
     # cost_aware with skip_drafting: where the gate skips decisively, a skipped
     # step's requests (prompts included) stop keeping the drafter's context K/V
-    # (its per-token upkeep) and verify no draft for the rest of their life
-    # (proposers/retired_context.py).
+    # (its per-token upkeep) and verify no draft until their batch size's gate
+    # drafts again (proposers/retired_context.py).
 
 
 class AdmissionConfig(_Struct):

@@ -153,8 +153,8 @@ class AdaFlashWorkerExtension:
         """Tests and measurements: turn `length.retire_when_skipping` on or off
         (needs a draft gate); with `always`, the engine retires at every batch
         size, whether or not the gate skips decisively (every skipped step
-        retires its requests). Off, no request retires any more; those retired
-        stay so, and once a step has told the scheduler (its output), prefix
+        retires its requests; none drafts again). Off, no request retires any
+        more; those retired draft again at their next drafting step, and once a step has told the scheduler (its output), prefix
         hits on the blocks they left incomplete are cut there (patches.py E4)."""
         drafter = self.model_runner.drafter
         if getattr(drafter, "draft_gate", None) is None:

@@ -183,7 +183,8 @@ class DraftGate:
     # A check of drafting is due but waits (`should_draft(can_check=False)`: the
     # batch holds requests retired from drafting, retired_context.py, whose
     # budget-0 rows would make the round measure neither mode); the proposer
-    # retires no new request meanwhile, so the batch clears and the check runs.
+    # lets them draft again (`RetiredContext.unretire`), and the check runs at
+    # the next step.
     check_waiting: bool = False
     check_waits: int = 0  # steps a check waited
 

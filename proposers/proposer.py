@@ -371,14 +371,27 @@ class AdaFlashProposer(DFlashProposer):
             )
             if getattr(gate, "switched", False):
                 _log_switch(gate, num_reqs)
-            if draft and _retired_in(self, batch):
-                if not self._retiring_now():
-                    # This batch size's gate drafts (the load fell): retired
-                    # requests draft again, holes and all (retired_context.py).
-                    self.retired.unretire(batch)
-                elif self.retired.retired >= batch:
-                    draft = False  # every request is retired: nobody would verify
+            draft = self._settle_retired(batch, draft)
         return _Opened(started, req_ids, batch, last, draft, full_accept)
+
+    def _settle_retired(self, batch: frozenset[str], draft: bool) -> bool:
+        """Whether a step whose gate said `draft` drafts, where its batch holds
+        requests retired from drafting (retired_context.py). They draft again
+        (`RetiredContext.unretire`, holes and all) where the engine no longer
+        retires and the step drafts (the load fell), or where a check of
+        drafting waits for a batch without them (`DraftGate.check_waiting`: it
+        then runs at the next step, on every request). Where the engine still
+        retires, a batch of retired requests only does not draft."""
+        retired = self.retired
+        if retired is None or not retired.retired or retired.retired.isdisjoint(batch):
+            return draft
+        current = getattr(self.draft_gate, "current", None)  # (scripted: none)
+        waiting = current is not None and current.check_waiting
+        if waiting or (draft and not self._retiring_now()):
+            retired.unretire(batch)
+        elif draft and retired.retired >= batch:
+            return False  # nobody would verify a draft
+        return draft
 
     def propose_early(
         self,
@@ -629,7 +642,8 @@ class AdaFlashProposer(DFlashProposer):
         """`length.retire_when_skipping` on a skipped step: which context tokens
         still get the drafter's K/V (`every_row_retired`: none, as
         `_every_row_retired` says). Where the engine retires (`_retiring_now`),
-        every request of the step retires (its upkeep stops, it drafts no more),
+        every request of the step retires (its upkeep stops, it drafts no more
+        until its batch size's gate drafts: `_open_step`),
         in its prompt or in decode; requests already retired get none anywhere
         (a step of retired requests only drops every row at once, as a retiring
         one does).

@@ -198,9 +198,10 @@ def test_a_bucket_held_to_skipping_retires_too():
 
 
 def test_no_new_retirement_while_a_check_of_drafting_waits():
-    """A check of drafting waits for a batch without retired requests
-    (draft_gate.py `check_waiting`): meanwhile nobody new retires, so the batch
-    clears; the requests already retired stay without upkeep."""
+    """A skipped step while a check of drafting waits for a batch without
+    retired requests (draft_gate.py `check_waiting`): nobody new retires, and
+    those still retired get no upkeep (in the engine `_open_step` has let the
+    step's retired requests draft again first: `_settle_retired`)."""
     proposer = _retiring_proposer(decisive=True)
     _skip_step(proposer, ["p", "d1", "d2"])
     proposer.retired.retired.discard("d2")  # as if d2 had not been retired
@@ -242,3 +243,45 @@ def test_a_step_of_retired_requests_reads_no_context_while_a_check_waits():
     proposer.retire_when_skipping = False  # retired ones stay, nobody drops rows
     proposer.retired.retired.add("d2")
     assert not proposer._every_row_retired(["p", "d1", "d2"])
+
+
+def _settle(proposer, batch, draft: bool) -> bool:
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+
+    return AdaFlashProposer._settle_retired(proposer, frozenset(batch), draft)
+
+
+def test_retired_requests_draft_again_where_their_batch_size_drafts():
+    """The gate says draft where the engine no longer retires (the load fell):
+    the step's retired requests draft again, their blocks keep the holes."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    proposer.draft_gate.current.drafting = True
+    assert _settle(proposer, ["p", "d1"], draft=True)
+    assert proposer.retired.retired == {"d2"}
+    assert proposer.retired.unretired_total == 2
+    assert proposer.retired.holey == {10, 2, 3}
+
+
+def test_retired_requests_stay_retired_while_the_engine_retires():
+    """Where skipping is still decisive a drafting step (an exploration) leaves
+    them retired, and a batch of retired requests only does not draft."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    assert not _settle(proposer, ["p", "d1"], draft=True)  # nobody would verify
+    assert _settle(proposer, ["p", "new"], draft=True)  # "new" drafts, p does not
+    assert not _settle(proposer, ["p", "d1"], draft=False)
+    assert proposer.retired.retired == {"p", "d1", "d2"}
+    assert proposer.retired.unretired_total == 0
+
+
+def test_a_waiting_check_of_drafting_lets_the_retired_draft_again():
+    """A check of drafting due at a batch with retired requests waits one step
+    (`check_waiting`), in which they draft again: the check then runs on every
+    request, instead of waiting until they finish (which, with two long
+    requests alone at a skipping batch size, was never)."""
+    proposer = _retiring_proposer(decisive=True)
+    _skip_step(proposer, ["p", "d1", "d2"])
+    proposer.draft_gate.current.check_waiting = True
+    assert not _settle(proposer, ["d1", "d2"], draft=False)  # this step skips
+    assert proposer.retired.retired == {"p"}
