@@ -154,8 +154,9 @@ class AdaFlashWorkerExtension:
         (needs a draft gate); with `always`, the engine retires at every batch
         size, whether or not the gate skips decisively (every skipped step
         retires its requests; none drafts again). Off, no request retires any
-        more; those retired draft again at their next drafting step, and once a step has told the scheduler (its output), prefix
-        hits on the blocks they left incomplete are cut there (patches.py E4)."""
+        more; those retired draft again at their next drafting step, and once
+        a step has told the scheduler (its output), prefix hits on the blocks
+        they left incomplete are cut there (patches.py E4)."""
         drafter = self.model_runner.drafter
         if getattr(drafter, "draft_gate", None) is None:
             raise ValueError("no draft gate runs (cost_aware with skip_drafting)")

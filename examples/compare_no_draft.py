@@ -18,7 +18,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 (the gate's checks of skipping explore it, as before run 23), `adaflash:nohist`
 (a length head with history never reads the previous round), `adaflash:nocap`
 (chosen budgets never cap the drafter's block, as before run 32), `adaflash:noskip`
-(`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`),
+(`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`,
+the default since run 34; `adaflash:noretire` sets it false),
 `adaflash:eagerchecks` (the draft gate's checks of drafting under load
 not spaced by what they lose, as before run 31),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
@@ -50,6 +51,7 @@ _ADAFLASH_VARIANTS = {
     "adaptive_block": {"adaptive_block": True},
     "noskip": {"skip_drafting": False},
     "retire": {"retire_when_skipping": True},  # requests retire where skipping wins
+    "noretire": {"retire_when_skipping": False},  # (the default before run 34)
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)

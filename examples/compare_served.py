@@ -21,9 +21,11 @@ Configurations (K = 7, the demo drafter):
     noctx        the same without writing the drafter's context K/V (what never
                  drafting costs besides that upkeep; `adaflash_debug_context_upkeep`)
     paper        AdaFlash `paper` budgets (the paper's rule, drafting every step)
-    cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default)
-    retire       the same with `retire_when_skipping` (where skipping wins
-                 decisively, requests drop the drafter's context upkeep)
+    cost_aware   AdaFlash `cost_aware`, draft gate per batch-size bucket (default;
+                 `retire_when_skipping` on, the default since run 34)
+    retire       the same with `retire_when_skipping` set explicitly
+    noretire     the same with `retire_when_skipping: false` (every request
+                 keeps the drafter's context upkeep; the default before run 34)
     single       the same with one draft gate for every batch size
                  (`adaflash_debug_gate` with `per_batch_size: 0`)
     nocap        the same without the budgets' cap on the drafter's block
@@ -54,6 +56,7 @@ _BENCH_NAME = {  # bench.configs names; plain and dflash are their own
     "cost_aware": "adaflash:cost_aware",
     "paper": "adaflash:paper",
     "retire": "adaflash:cost_aware",  # retire_when_skipping set below
+    "noretire": "adaflash:cost_aware",  # and unset
     "single": "adaflash:cost_aware",  # one gate set over RPC
     "nocap": "adaflash:cost_aware",  # the budgets' block cap off over RPC
 }
@@ -81,8 +84,8 @@ def _config(config: str):
     spec = build_config(_BENCH_NAME.get(config, config), _setup()).speculative_config
     if config == "noskip":
         spec["adaflash"]["length"]["skip_drafting"] = False
-    if config == "retire":
-        spec["adaflash"]["length"]["retire_when_skipping"] = True
+    if config in ("retire", "noretire"):
+        spec["adaflash"]["length"]["retire_when_skipping"] = config == "retire"
     return BenchConfig(name=config, speculative_config=spec)
 
 
