@@ -7,11 +7,12 @@ demo's drafter costs ~5% of the target's multiply-adds per token in that
 upkeep alone), `adaflash.length.retire_when_skipping` stops it: every request
 of such a step, in its prompt or in decode, is *retired*: its context K/V has
 holes from then on, and it verifies no draft (budget 0) while it stays retired.
-A retired request drafts again (`unretire`) once it is in a step whose batch
-size's gate follows drafting (the load fell): the drafter then attends to its
+A retired request drafts again (`unretire`, proposer `_settle_retired`) once
+it is in a step whose batch size's gate follows drafting (the load fell), or
+in a batch where a check of drafting is due: the drafter then attends to its
 holes as they are (slots never written for it). That costs acceptance, not
 exactness: on the demo models, 16 requests whose prompt and first 30 tokens
-were holes accepted 0.713 drafts a round against 0.824 with the upkeep
+were holes accepted 0.720 drafts a round against 0.833 with the upkeep
 (BENCHMARKS.md run 34).
 
 A hole is in a KV cache block that vLLM's prefix cache may hand to a later
