@@ -382,9 +382,9 @@ class AdaFlashProposer(DFlashProposer):
         drafting waits for a batch without them (`DraftGate.check_waiting`: it
         then runs at the next step, on every request). Where the engine still
         retires, a batch of retired requests only does not draft."""
-        retired = self.retired
-        if retired is None or not retired.retired or retired.retired.isdisjoint(batch):
+        if not _retired_in(self, batch):
             return draft
+        retired = self.retired
         current = getattr(self.draft_gate, "current", None)  # (scripted: none)
         waiting = current is not None and current.check_waiting
         if waiting or (draft and not self._retiring_now()):
