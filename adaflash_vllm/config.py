@@ -67,6 +67,13 @@ class LengthConfig(_Struct):
     # (its per-token upkeep) and verify no draft until their batch size's gate
     # drafts again (proposers/retired_context.py). On by default since run 34:
     # 1.028 +- 0.008 of it off at 64 requests, no change at 4 and 16.
+    cut_holey_prefix_hits: bool = False
+    # with retire_when_skipping, once the engine no longer retires: a
+    # prefix-cache hit on blocks whose drafter K/V retired requests left
+    # incomplete is cut before them, and the request recomputes them (a whole
+    # drafter context). False keeps the hit, as plain vLLM does; the request
+    # drafts over the holes. Follow-up turns at 2 requests after a burst of 64:
+    # keeping was 1.09x cutting (BENCHMARKS.md run 35).
 
 
 class AdmissionConfig(_Struct):

@@ -44,13 +44,15 @@ E3. `vllm.v1.engine.core.EngineCore.post_step`
 
 E4. `vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks`
     Why: with `length.retire_when_skipping`, retired requests leave KV cache
-    blocks whose drafter K/V has holes (retired_context.py). While the engine
-    no longer retires, a prefix-cache hit on such a block would leave the new
-    request unable to draft well, so the hit is cut there and those blocks leave
-    the prefix cache (the request recomputes them whole).
+    blocks whose drafter K/V has holes (retired_context.py). With
+    `length.cut_holey_prefix_hits` (off by default), while the engine no longer
+    retires, a prefix-cache hit on such a block is cut there and those blocks
+    leave the prefix cache (the request recomputes them whole, and drafts over
+    a whole drafter context).
     How: after the original, when the manager carries a `PrefixHoles` (the
     AdaFlash scheduler sets `_adaflash_holes` on its own manager) whose
-    `first_hole` names a block of the hit in the drafter's group: evict the
+    `first_hole` names a block of the hit in the drafter's group (never with
+    cuts off): evict the
     hit's blocks with holes (`evict_blocks`) and return the hit truncated at
     that block, aligned to every group's block size
     (`truncate_computed_blocks`). Any other manager, and hits without holes,

@@ -163,6 +163,11 @@ class AdaFlashWorkerExtension:
         drafter.retire_when_skipping = bool(enable)
         drafter.retire_always = bool(enable and always)
 
+    def adaflash_debug_prefix_cuts(self, enable: bool) -> None:
+        """Tests and measurements: turn `length.cut_holey_prefix_hits` on or
+        off; the scheduler follows from the next step's output."""
+        self.model_runner.drafter.cut_holey_prefix_hits = bool(enable)
+
     def adaflash_debug_head_history(self, enable: bool) -> bool:
         """Experiments (examples/compare_no_draft.py `adaflash:nohist`): with
         False, a length head with history reads no previous round (u = 0 for

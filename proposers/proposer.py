@@ -185,6 +185,8 @@ class AdaFlashProposer(DFlashProposer):
         self.retire_always = False  # debug: retire on every skipped step
         self.retired: RetiredContext | None = None
         self._holes_retiring = False  # `retiring` as last sent (take_holes)
+        self.cut_holey_prefix_hits = False  # length.cut_holey_prefix_hits
+        self._holes_cut = False  # ... as last sent (take_holes)
         self._budgets: dict[str, int] | None = None
         self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -227,6 +229,7 @@ class AdaFlashProposer(DFlashProposer):
             self.retire_when_skipping = (
                 length.retire_when_skipping and self.draft_gate is not None
             )
+            self.cut_holey_prefix_hits = length.cut_holey_prefix_hits
             if length.mode == "cost_aware" and length.adaptive_block:
                 self.block_length = BlockLength(
                     full=self.num_speculative_tokens, k_min=length.k_min
@@ -707,19 +710,25 @@ class AdaFlashProposer(DFlashProposer):
             and not current.check_waiting
         )
 
-    def take_holes(self) -> tuple[bool, int, frozenset, frozenset] | None:
+    def take_holes(self) -> tuple[bool, int, frozenset, frozenset, bool] | None:
         """For the scheduler's `PrefixHoles` (patches.py W5, E4): (retiring, the
         drafter's KV cache group, block ids that got holes, block ids that lost
-        them) when any changed since the last step; else None."""
+        them, whether hits on them are cut: `length.cut_holey_prefix_hits`) when
+        any changed since the last step; else None."""
         retired = self.retired
         if retired is None:
             return None
-        retiring = self._retiring_now()
+        retiring, cut = self._retiring_now(), self.cut_holey_prefix_hits
         added, removed = retired.take_changes()
-        if not added and not removed and retiring == self._holes_retiring:
+        if (
+            not added
+            and not removed
+            and retiring == self._holes_retiring
+            and cut == self._holes_cut
+        ):
             return None
-        self._holes_retiring = retiring
-        return retiring, max(self.kv_cache_gid, 0), added, removed
+        self._holes_retiring, self._holes_cut = retiring, cut
+        return retiring, max(self.kv_cache_gid, 0), added, removed, cut
 
     def note_schedule(self, scheduler_output) -> None:
         """Before the step runs (patches.py W4): the blocks vLLM allocated this

@@ -18,15 +18,19 @@ were holes accepted 0.720 drafts a round against 0.833 with the upkeep
 A hole is in a KV cache block that vLLM's prefix cache may hand to a later
 request (a shared system prompt, a follow-up turn whose prompt contains a
 retired request's output). So the blocks that hold holes are kept here, by id
-in the drafter's KV cache group (`RetiredContext.holey`). While the engine
-retires (`retiring`), a request whose prefix-cache hit includes one is retired
-at admission: it would not draft at that load anyway, and it keeps the
-target's hit as plain vLLM would. Otherwise the scheduler cuts the hit before
-the first such block and takes those blocks out of the prefix cache
-(`PrefixHoles`, patches.py E4): the request recomputes from there, its drafter
-K/V is whole, it drafts, and later requests hit its complete blocks. The
-worker sends the set's changes and `retiring` to the scheduler with each
-step's output. A block's holes end when vLLM allocates it afresh (a new
+in the drafter's KV cache group (`RetiredContext.holey`). A request whose
+prefix-cache hit includes one is retired at admission and keeps the target's
+hit, as plain vLLM would: while the engine retires it would not draft anyway,
+and once the engine no longer retires it drafts again over the holes at its
+first drafting step. With `length.cut_holey_prefix_hits`, the scheduler
+instead cuts such a hit before the first such block once the engine no longer
+retires, and takes those blocks out of the prefix cache (`PrefixHoles`,
+patches.py E4): the request recomputes from there, its drafter K/V is whole,
+it drafts, and later requests hit its complete blocks (off by default: on the
+demo models' follow-up turns keeping the hits ran 1.09x as fast, BENCHMARKS.md
+run 35). The worker sends the set's changes, `retiring` and whether hits are
+cut to the scheduler with each step's output.
+A block's holes end when vLLM allocates it afresh (a new
 request's uncached blocks, blocks appended to a running request): its new owner
 writes every position it uses.
 
@@ -154,16 +158,22 @@ class PrefixHoles:
         self.align = math.lcm(*sizes)  # a cut must end a block in every group
         self.blocks: set[int] = set()
         self.retiring = False
+        self.cut = False  # length.cut_holey_prefix_hits, as the worker says
         self.gid = 0  # the drafter's KV cache group
         self.block_size = block_sizes[0] or self.align
         self.cut_requests = 0  # hits cut (metrics)
         self.cut_tokens = 0  # tokens those requests recomputed
 
     def update(
-        self, retiring: bool, gid: int, added: Collection[int], removed: Collection[int]
+        self,
+        retiring: bool,
+        gid: int,
+        added: Collection[int],
+        removed: Collection[int],
+        cut: bool = False,
     ) -> None:
         """One step's changes from the worker (`RetiredContext.take_changes`)."""
-        self.retiring = bool(retiring)
+        self.retiring, self.cut = bool(retiring), bool(cut)
         if gid != self.gid and 0 <= gid < len(self.block_sizes):
             self.gid, self.block_size = gid, self.block_sizes[gid] or self.align
         if removed:
@@ -173,8 +183,9 @@ class PrefixHoles:
 
     @property
     def cutting(self) -> bool:
-        """Whether hits may be cut now (not retiring, some block has holes)."""
-        return not self.retiring and bool(self.blocks)
+        """Whether hits may be cut now (cuts on, not retiring, some block has
+        holes)."""
+        return self.cut and not self.retiring and bool(self.blocks)
 
     def first_hole(self, block_ids: list[int]) -> int | None:
         """Index of the first block of a prefix-cache hit (the drafter group's

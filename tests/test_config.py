@@ -31,7 +31,8 @@ def test_empty_section_gives_defaults():
         # nested typo: path and valid siblings
         (
             {"length": {"mod": "fixed"}},
-            "Valid keys in `adaflash.length`: adaptive_block, gamma, k_min, mode",
+            "Valid keys in `adaflash.length`: adaptive_block, cut_holey_prefix_hits, "
+            "gamma, k_min, mode",
         ),
         # wrong enum value names the allowed ones
         ({"length": {"mode": "adaptive"}}, "adaflash.length.mode"),

@@ -113,16 +113,29 @@ def test_prefix_holes_mirror_the_worker_and_cut_only_while_not_retiring():
     holes = PrefixHoles([BS])
     rc = RetiredContext(BS)
     rc.retire(["a"], [8, 12])  # blocks 2 and 3
-    holes.update(True, 0, *rc.take_changes())
+    holes.update(True, 0, *rc.take_changes(), cut=True)
     assert holes.blocks == {2, 3}
     assert holes.first_hole([7, 2, 3]) is None  # retiring: the hit retires
-    holes.update(False, 0, frozenset(), frozenset())
+    holes.update(False, 0, frozenset(), frozenset(), cut=True)
     assert holes.first_hole([7, 2, 3]) == 1
     assert holes.first_hole([7, 6]) is None  # a hit without holes stays whole
     rc.fresh([2])
-    holes.update(False, 0, *rc.take_changes())
+    holes.update(False, 0, *rc.take_changes(), cut=True)
     assert holes.blocks == {3}
     assert holes.first_hole([7, 2, 3]) == 2
+
+
+def test_prefix_holes_keep_every_hit_unless_cuts_are_on():
+    """`length.cut_holey_prefix_hits` off (the default): the blocks are still
+    mirrored, but no hit is cut, retiring or not."""
+    holes = PrefixHoles([BS])
+    holes.update(False, 0, frozenset({2, 3}), frozenset())
+    assert holes.blocks == {2, 3} and not holes.cutting
+    assert holes.first_hole([7, 2, 3]) is None
+    holes.update(False, 0, frozenset(), frozenset(), cut=True)  # turned on
+    assert holes.first_hole([7, 2, 3]) == 1
+    holes.update(False, 0, frozenset(), frozenset(), cut=False)  # and off
+    assert holes.first_hole([7, 2, 3]) is None
 
 
 def test_prefix_holes_align_cuts_to_every_group():

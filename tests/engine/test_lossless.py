@@ -163,16 +163,18 @@ def test_prefix_cache_hits_like_plain(adaflash, baseline):
 
 
 @pytest.mark.parametrize("adaflash", ["retire"], indirect=True)
-def test_retired_blocks_retire_hits_then_are_recomputed(adaflash):
+def test_retired_blocks_keep_their_hits_or_are_recomputed(adaflash):
     """Requests retired (here every skipped step retires its requests, prompts
     included). While the engine retires, a follow-up whose prompt holds a
     retired request's output (its prefix-cache hit takes blocks whose drafter
     K/V has holes) is retired at admission and verifies no draft, with the hit
-    plain vLLM would have. Once it no longer retires, the same follow-up's hit
-    is cut before those blocks, which leave the prefix cache (patches.py E4):
-    it recomputes them, drafts, and emits the same tokens; the next such
-    follow-up hits the complete blocks it wrote, and drafts. Runs last in the
-    `retire` engine: it turns retirement off there."""
+    plain vLLM would have. Once it no longer retires, by default the same
+    follow-up keeps that hit and drafts over the holes. With
+    `length.cut_holey_prefix_hits` its hit is cut before those blocks instead,
+    which leave the prefix cache (patches.py E4): it recomputes them, drafts,
+    and emits the same tokens; the next such follow-up hits the complete blocks
+    it wrote, and drafts. Runs before the other retire test in the `retire`
+    engine: it turns retirement off there."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -214,10 +216,18 @@ def test_retired_blocks_retire_hits_then_are_recomputed(adaflash):
     llm.collective_rpc("adaflash_debug_retire", args=(False,))
     fresh, _, _ = run("Nothing here was served before, not a word of it.")
     assert fresh > 0  # this step's output told the scheduler: no longer retiring
+    unretired = retired()["unretired_total"]
+    drafted, kept, again = run(follow_up)  # the default: the hit is kept
+    assert again == tokens and kept == cached and drafted > 0
+    assert retired()["unretired_total"] > unretired  # retired on the hit, drafting
+    assert metrics(llm).get("vllm:adaflash_retired_prefix_cuts", 0) == 0
+
+    llm.collective_rpc("adaflash_debug_prefix_cuts", args=(True,))
+    run("Nor was this, in any of the turns before it.")  # tells the scheduler
     drafted, cut, again = run(follow_up)
     assert again == tokens  # lossless either way
     assert cut < cached and cut % bs == 0, (cut, cached)
-    assert retired()["retired_on_hit"] == on_hit + 1  # not retired this time
+    assert retired()["retired_on_hit"] == on_hit + 2  # not retired this time
     assert drafted > 0
     assert metrics(llm)["vllm:adaflash_retired_prefix_cuts"] >= 1
     drafted, hit, third = run(follow_up)  # the blocks it recomputed are cached
