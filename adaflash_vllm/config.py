@@ -73,7 +73,7 @@ class LengthConfig(_Struct):
     # incomplete is cut before them, and the request recomputes them (a whole
     # drafter context). False keeps the hit, as plain vLLM does; the request
     # drafts over the holes. Follow-up turns at 2 requests after a burst of 64:
-    # keeping was 1.09x cutting (BENCHMARKS.md run 35).
+    # keeping ran 1.05 +- 0.07x as fast as cutting (BENCHMARKS.md run 35).
 
 
 class AdmissionConfig(_Struct):

@@ -27,7 +27,7 @@ instead cuts such a hit before the first such block once the engine no longer
 retires, and takes those blocks out of the prefix cache (`PrefixHoles`,
 patches.py E4): the request recomputes from there, its drafter K/V is whole,
 it drafts, and later requests hit its complete blocks (off by default: on the
-demo models' follow-up turns keeping the hits ran 1.09x as fast, BENCHMARKS.md
+demo models' follow-up turns keeping the hits ran 1.05x as fast, BENCHMARKS.md
 run 35). The worker sends the set's changes, `retiring` and whether hits are
 cut to the scheduler with each step's output.
 A block's holes end when vLLM allocates it afresh (a new
