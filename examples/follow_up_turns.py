@@ -3,11 +3,15 @@ should do. A burst of `--concurrency` prompts retires its requests from drafting
 (`length.retire_when_skipping`): the cache blocks of their prompts and answers
 hold no drafter K/V. Then each conversation sends a second turn (its prompt,
 its answer and "Go on.", as token ids, so the first turn's full blocks are a
-prefix-cache hit), `--follow-concurrency` at a time, a load where the gate
-drafts.
+prefix-cache hit), `--follow-concurrency` in flight (a new one as soon as one
+finishes, as a server with that many clients sees them), a load where the gate
+drafts. With `--in-groups` they go as `LLM.generate` calls of that many
+prompts instead, each call waiting for its slowest request: speculation makes
+requests finish at different steps, so such calls spend their tails at smaller
+batches than plain vLLM's (BENCHMARKS.md run 35).
 
 Engines (in this process, demo models, greedy; whole rounds in turn, the order
-reversed each round):
+rotated by one each round):
 - `plain`: vLLM without speculation (its hits are never cut);
 - `cut`: `length.cut_holey_prefix_hits` on: a hit is cut before the first block
   with holes, the request recomputes from there and drafts with a whole context;
@@ -55,6 +59,37 @@ def gate_summary(worker) -> dict:
     return {b: [g.drafted_steps, g.skipped_steps] for b, g in gates.items() if b <= 4}
 
 
+def run_at_concurrency(llm, prompts, params, concurrency: int) -> list:
+    """`prompts` through the engine with `concurrency` requests in flight: a new
+    one is added as soon as one finishes, as a server with that many clients
+    keeps it. Outputs in `prompts`' order."""
+    engine = llm.llm_engine
+    pending = iter(enumerate(prompts))
+    index: dict[str, int] = {}
+    done: dict[int, object] = {}
+    in_flight = 0
+
+    def add_next() -> bool:
+        nxt = next(pending, None)
+        if nxt is None:
+            return False
+        req_id = f"turn2-{time.monotonic_ns()}-{nxt[0]}"
+        index[req_id] = nxt[0]
+        engine.add_request(req_id, nxt[1], params)
+        return True
+
+    while in_flight < concurrency and add_next():
+        in_flight += 1
+    while in_flight:
+        for out in engine.step():
+            if out.finished:
+                done[index[out.request_id]] = out
+                in_flight -= 1
+                if add_next():
+                    in_flight += 1
+    return [done[i] for i in range(len(prompts))]
+
+
 def scheduler_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -76,6 +111,13 @@ def main() -> None:
         help="comma list of NAME=CONFIG (compare_no_draft.py's configurations; "
         "a bare NAME is its own CONFIG); `cut` turns cut_holey_prefix_hits on, "
         "`plain` is the baseline",
+    )
+    p.add_argument(
+        "--in-groups",
+        action="store_true",
+        help="send the second turns as LLM.generate calls of --follow-concurrency "
+        "prompts each (each call waits for its slowest request) instead of "
+        "keeping --follow-concurrency requests in flight",
     )
     p.add_argument(
         "--twins",
@@ -125,11 +167,14 @@ def main() -> None:
             ]
             before, cut_before = llm.collective_rpc(counts)[0], cuts(llm)
             t = time.perf_counter()
-            second = []
-            for i in range(0, n, group):
-                second += llm.generate(
-                    second_prompts[i : i + group], params, use_tqdm=False
-                )
+            if args.in_groups:
+                second = []
+                for i in range(0, n, group):
+                    second += llm.generate(
+                        second_prompts[i : i + group], params, use_tqdm=False
+                    )
+            else:
+                second = run_at_concurrency(llm, second_prompts, params, group)
             wall_b = time.perf_counter() - t
             after, cut_after = llm.collective_rpc(counts)[0], cuts(llm)
             walls[name.partition("/")[0]][r] += wall_b
@@ -150,7 +195,11 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         if len(hashes) != 1:
             raise SystemExit(f"round {r}: the engines' outputs differ")
-        order.reverse()
+        # Rotate: the engine that ran a round's first phase ran 10-15% faster
+        # than the rest when the order reversed each round (it had also run
+        # last in the round before; BENCHMARKS.md run 35), so every engine
+        # takes the first place in turn, and none runs twice in a row.
+        order = order[1:] + order[:1]
     base = walls["plain"]
     for name, wall in walls.items():
         ratios = [b / w for b, w in zip(base, wall, strict=True)]
