@@ -52,9 +52,8 @@ E4. `vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks`
     How: after the original, when the manager carries a `PrefixHoles` (the
     AdaFlash scheduler sets `_adaflash_holes` on its own manager) whose
     `first_hole` names a block of the hit in the drafter's group (never with
-    cuts off): evict the
-    hit's blocks with holes (`evict_blocks`) and return the hit truncated at
-    that block, aligned to every group's block size
+    cuts off): evict the hit's blocks with holes (`evict_blocks`) and return
+    the hit truncated at that block, aligned to every group's block size
     (`truncate_computed_blocks`). Any other manager, and hits without holes,
     are returned unchanged; so are hits with a shared-prefix boundary (sparse
     retention groups, which AdaFlash does not run). Upstream: none. Delete

@@ -29,10 +29,9 @@ patches.py E4): the request recomputes from there, its drafter K/V is whole,
 it drafts, and later requests hit its complete blocks (off by default: on the
 demo models' follow-up turns keeping the hits ran 1.05x as fast, BENCHMARKS.md
 run 35). The worker sends the set's changes, `retiring` and whether hits are
-cut to the scheduler with each step's output.
-A block's holes end when vLLM allocates it afresh (a new
-request's uncached blocks, blocks appended to a running request): its new owner
-writes every position it uses.
+cut to the scheduler with each step's output. A block's holes end when vLLM
+allocates it afresh (a new request's uncached blocks, blocks appended to a
+running request): its new owner writes every position it uses.
 
 Pure bookkeeping on the host: no tensors, no vLLM imports.
 """

@@ -46,6 +46,13 @@ def test_rounds_alternate_order_and_cycle_prompts():
     assert len(seen) == 3 and set(seen[0]) == {"a", "b"}
 
 
+def test_three_engines_rotate_through_every_place():
+    log: list[str] = []
+    engines = {n: (_Counter(n, log, 1), set()) for n in "abc"}
+    alternating_rounds(engines, ["p0"], None, rounds=3, per_round=1)
+    assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
 def test_per_prompt_params_follow_their_prompts():
     served: list[tuple] = []
 

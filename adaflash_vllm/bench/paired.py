@@ -113,7 +113,14 @@ def alternating_rounds(
     on_round: Callable[[int, dict[str, Round]], None] | None = None,
 ) -> dict[str, list[Round]]:
     """Serve `rounds` batches of `per_round` prompts (cycling through `prompts`)
-    to every engine; the order of the engines reverses every round. `params` is
+    to every engine; the order of the engines rotates by one every round (with
+    two engines: it reverses), so that each takes every place in turn. With
+    three or more, reversing the order would run the end ones twice in a row
+    at every round's turn and the middle ones never: in
+    examples/follow_up_turns.py, whose order reversed, a plain engine at a
+    round's first place (which had also run last in the round before) ran
+    7-11% faster than its twin at the round's last place (BENCHMARKS.md run
+    35). `params` is
     one SamplingParams or a list with one per prompt (cycled alike)."""
     rows: dict[str, list[Round]] = {name: [] for name in engines}
     for i in range(rounds):
@@ -121,7 +128,9 @@ def alternating_rounds(
         batch = [prompts[k] for k in picks]
         each = isinstance(params, list)
         batch_params = [params[k] for k in picks] if each else params
-        order = list(engines) if i % 2 == 0 else list(reversed(engines))
+        names = list(engines)
+        shift = i % len(names)
+        order = names[shift:] + names[:shift]
         for name in order:
             llm, pids = engines[name]
             rows[name].append(serve_round(llm, pids, batch, batch_params))
