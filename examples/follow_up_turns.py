@@ -195,10 +195,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         if len(hashes) != 1:
             raise SystemExit(f"round {r}: the engines' outputs differ")
-        # Rotate: the engine that ran a round's first phase ran 10-15% faster
-        # than the rest when the order reversed each round (it had also run
-        # last in the round before; BENCHMARKS.md run 35), so every engine
-        # takes the first place in turn, and none runs twice in a row.
+        # Rotate, as paired.alternating_rounds does: when the order reversed
+        # each round, a plain engine at a round's first place (it had also run
+        # last in the round before) ran 7-11% faster than its twin at the last
+        # place (BENCHMARKS.md run 35).
         order = order[1:] + order[:1]
     base = walls["plain"]
     for name, wall in walls.items():
