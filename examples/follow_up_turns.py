@@ -8,7 +8,10 @@ finishes, as a server with that many clients sees them), a load where the gate
 drafts. With `--in-groups` they go as `LLM.generate` calls of that many
 prompts instead, each call waiting for its slowest request: speculation makes
 requests finish at different steps, so such calls spend their tails at smaller
-batches than plain vLLM's (BENCHMARKS.md run 35).
+batches than plain vLLM's (BENCHMARKS.md run 35). With `--first-concurrency K`
+the first turns also run K in flight instead of as one burst (no request then
+retires, so the second turns' hits have no holes), timed and compared with
+plain like the second turns (BENCHMARKS.md run 36).
 
 Engines (in this process, demo models, greedy; whole rounds in turn, the order
 rotated by one each round):
@@ -18,13 +21,14 @@ rotated by one each round):
 - `keep`: AdaFlash's default: the hit is kept whole; the request drafts over the
   holes as they are.
 
-Per round and engine it prints one JSON line (the two phases' wall seconds, the
-second phase's drafts verified and accepted, the hits cut and the tokens they
+Per round and engine it prints one JSON line (the two phases' wall seconds,
+each phase's drafts verified and accepted, the hits cut and the tokens they
 recomputed, and the draft gate's drafted and skipped steps per batch size up to
-4); the engines' outputs must match, else it stops. Then each engine's
-second-phase wall in all and its speed against plain's (in all, and the mean
-and spread of the rounds' ratios). With `--twins` each engine is built twice,
-at mirrored places, and a round's wall is the pair's sum.
+4, counted since the engine was built); the engines' outputs must match, else
+it stops. Then each engine's second-phase wall in all and its speed against
+plain's (in all, and the mean and spread of the rounds' ratios), and the same
+for the first phase with `--first-concurrency`. With `--twins` each engine is
+built twice, at mirrored places, and a round's wall is the pair's sum.
 
 Run (about 14 minutes on one core):
     VLLM_CPU_KVCACHE_SPACE=1 taskset -c 0 python examples/follow_up_turns.py \
@@ -103,6 +107,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--follow-concurrency", type=int, default=2)
+    p.add_argument(
+        "--first-concurrency",
+        type=int,
+        help="run the first turns with this many in flight too (timed, and "
+        "compared with plain like the second turns) instead of one burst of "
+        "--concurrency; no request then retires",
+    )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument(
@@ -146,6 +157,7 @@ def main() -> None:
     follow_ids = tokenizer.encode(FOLLOW_UP, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     walls = {name: [0.0] * args.rounds for name in specs}  # per round
+    first_walls = {name: [0.0] * args.rounds for name in specs}
     order = list(engines)
     n, group = args.concurrency, args.follow_concurrency
     for r in range(args.rounds):
@@ -154,9 +166,14 @@ def main() -> None:
         hashes = set()
         for name in order:
             llm = engines[name]
+            start_counts = llm.collective_rpc(counts)[0]
             t = time.perf_counter()
-            first = llm.generate(batch, params, use_tqdm=False)
+            if args.first_concurrency:
+                first = run_at_concurrency(llm, batch, params, args.first_concurrency)
+            else:
+                first = llm.generate(batch, params, use_tqdm=False)
             wall_a = time.perf_counter() - t
+            first_walls[name.partition("/")[0]][r] += wall_a
             second_prompts = [
                 TokensPrompt(
                     prompt_token_ids=list(o.prompt_token_ids)
@@ -185,6 +202,8 @@ def main() -> None:
                 "engine": name,
                 "burst_wall_s": round(wall_a, 2),
                 "follow_up_wall_s": round(wall_b, 2),
+                "first_drafted": before["drafted"] - start_counts["drafted"],
+                "first_accepted": before["accepted"] - start_counts["accepted"],
                 "drafted": after["drafted"] - before["drafted"],
                 "accepted": after["accepted"] - before["accepted"],
                 "hits_cut": cut_after[0] - cut_before[0],
@@ -200,15 +219,20 @@ def main() -> None:
         # last in the round before) ran 7-11% faster than its twin at the last
         # place (BENCHMARKS.md run 35).
         order = order[1:] + order[:1]
-    base = walls["plain"]
-    for name, wall in walls.items():
-        ratios = [b / w for b, w in zip(base, wall, strict=True)]
-        mean = statistics.fmean(ratios)
-        sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
-        print(
-            f"{name}: follow-up turns {sum(wall):.1f} s in all, "
-            f"{sum(base) / sum(wall):.3f}x plain's (per round {mean:.3f} +- {sd:.3f})"
-        )
+    phases = [("follow-up turns", walls)]
+    if args.first_concurrency:
+        phases.insert(0, ("first turns", first_walls))
+    for phase, by_engine in phases:
+        base = by_engine["plain"]
+        for name, wall in by_engine.items():
+            ratios = [b / w for b, w in zip(base, wall, strict=True)]
+            mean = statistics.fmean(ratios)
+            sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+            print(
+                f"{name}: {phase} {sum(wall):.1f} s in all, "
+                f"{sum(base) / sum(wall):.3f}x plain's "
+                f"(per round {mean:.3f} +- {sd:.3f})"
+            )
 
 
 if __name__ == "__main__":

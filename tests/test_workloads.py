@@ -88,3 +88,66 @@ def test_output_lengths_spread():
     for bad in (-0.1, 1.0):
         with pytest.raises(AdaFlashConfigError, match="spread"):
             output_lengths(4, 96, bad)
+
+
+def test_a_record_with_history_is_templated_as_the_whole_conversation(
+    tmp_path, tokenizer
+):
+    history = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    path = tmp_path / "turns.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "Go on.", "history": history})
+        + "\n"
+        + json.dumps({"prompt": "Alone."})
+        + "\n"
+    )
+    phase = load_phase(str(path), tokenizer, count=2)
+    assert phase.prompts[0] == tokenizer.apply_chat_template(
+        [*history, {"role": "user", "content": "Go on."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert phase.prompts[0].index("Name a colour.") < phase.prompts[0].index("Go on.")
+    assert phase.prompts[1] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Alone."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "history, says",
+    [
+        ("Blue.", "must be a list of chat messages, got str"),
+        ([{"role": "robot", "content": "x"}], "message 0 must be"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant"}],
+            "message 1 must be",
+        ),
+    ],
+)
+def test_a_malformed_history_names_its_line(tmp_path, history, says):
+    from adaflash_vllm.training.data import load_prompts
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "ok"})
+        + "\n"
+        + json.dumps({"prompt": "Go on.", "history": history})
+        + "\n"
+    )
+    with pytest.raises(AdaFlashConfigError, match=f"bad.jsonl:2: `history` {says}"):
+        load_prompts(path)
+
+
+def test_without_a_chat_template_the_conversation_is_joined_by_lines():
+    from adaflash_vllm.training.data import chat_prompts
+
+    class NoTemplate:
+        chat_template = None
+
+    record = {"prompt": "Go on.", "history": [{"role": "user", "content": "Hi."}]}
+    assert chat_prompts(NoTemplate(), ["plain", record]) == ["plain", "Hi.\nGo on."]

@@ -1,9 +1,14 @@
 """Prompt sets and target-regenerated training sequences.
 
 A prompt file is JSONL with a `prompt` field per line (the project's bundled sets
-and `../shared/data` use this schema). Training sequences are the target's own
-responses (greedy by default) under its chat template, as in the DFlash recipe:
-the drafter learns what the target says, not what a dataset says.
+and `../shared/data` use this schema). A line may also carry `history`: the
+conversation before `prompt`, as chat messages (`{"role": "user" | "assistant" |
+"system", "content": str}`), so that a set can hold follow-up turns
+(`examples/second_turns.py` writes one); `prompt` is then the last user turn.
+
+Training sequences are the target's own responses (greedy by default) under its
+chat template, as in the DFlash recipe: the drafter learns what the target says,
+not what a dataset says.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ def load_prompts(
                     f"{path}:{lineno}: each line needs a non-empty string field "
                     "`prompt`"
                 )
+            problem = _history_problem(rec.get("history"))
+            if problem:
+                raise AdaFlashConfigError(f"{path}:{lineno}: `history` {problem}")
             records.append(rec)
     if not records:
         raise AdaFlashConfigError(f"prompt file {path} has no prompts")
@@ -64,13 +72,48 @@ def load_prompts(
     return records[:limit] if limit else records
 
 
-def chat_prompts(tokenizer, prompts: list[str]) -> list[str]:
-    """Wrap user prompts in the target's chat template (generation prompt added)."""
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _history_problem(history) -> str | None:
+    """What is wrong with a record's `history` (None: absent or well formed)."""
+    if history is None:
+        return None
+    if not isinstance(history, list):
+        return f"must be a list of chat messages, got {type(history).__name__}"
+    for i, m in enumerate(history):
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in CHAT_ROLES
+            or not isinstance(m.get("content"), str)
+        ):
+            return (
+                f"message {i} must be {{'role': one of {list(CHAT_ROLES)}, "
+                f"'content': str}}, got {m!r:.80}"
+            )
+    return None
+
+
+def chat_messages(prompt: str | dict) -> list[dict]:
+    """A prompt (a user turn) or a prompt record (`prompt`, optional `history`)
+    as the chat messages that end with it."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    history = [
+        {"role": m["role"], "content": m["content"]} for m in prompt.get("history", ())
+    ]
+    return [*history, {"role": "user", "content": prompt["prompt"]}]
+
+
+def chat_prompts(tokenizer, prompts: list[str | dict]) -> list[str]:
+    """Wrap user prompts in the target's chat template (generation prompt added).
+    An item may be a prompt record: its `history` comes before the prompt. A
+    tokenizer without a template gets the messages' contents, one per line."""
     if getattr(tokenizer, "chat_template", None) is None:
-        return prompts
+        return ["\n".join(m["content"] for m in chat_messages(p)) for p in prompts]
     return [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            chat_messages(p), tokenize=False, add_generation_prompt=True
         )
         for p in prompts
     ]
@@ -78,14 +121,15 @@ def chat_prompts(tokenizer, prompts: list[str]) -> list[str]:
 
 def regenerate(
     llm,
-    prompts: list[str],
+    prompts: list[str | dict],
     *,
     max_tokens: int,
     temperature: float = 0.0,
     domains: list[str] | None = None,
     seed: int = 0,
 ) -> list[Sequence]:
-    """Let the target answer `prompts` (chat template applied) through vLLM."""
+    """Let the target answer `prompts` (chat template applied; prompt records
+    keep their `history`) through vLLM."""
     from vllm import SamplingParams
 
     tokenizer = llm.get_tokenizer()

@@ -171,7 +171,7 @@ def regenerate_sequences(
     try:
         return regenerate(
             llm,
-            [r["prompt"] for r in prompts],
+            prompts,  # records: a `history` comes before its prompt
             max_tokens=max_tokens,
             temperature=temperature,
             domains=[r.get("domain", "") for r in prompts],

@@ -1,7 +1,8 @@
 """Benchmark workloads: prompt sets, the domain-shift stream, the concurrency sweep.
 
 A prompt set is a bundled name (`prose`, `math`, `code`: the demo's held-out
-prompts in examples/demo/data/) or any JSONL file with a `prompt` field. Prompts are
+prompts in examples/demo/data/) or any JSONL file with a `prompt` field (and
+optionally `history`, the conversation before it: training/data.py). Prompts are
 wrapped in the target's chat template and taken in file order (seeded shuffle when
 asked), so every configuration in a run sees the same requests.
 """
@@ -93,7 +94,7 @@ def load_phase(
     ]
     if seed is not None:
         random.Random(seed).shuffle(records)
-    texts = chat_prompts(tokenizer, [r["prompt"] for r in records])
+    texts = chat_prompts(tokenizer, records)  # (with any `history`)
     if max_prompt_tokens is not None:
         fits = [t for t in texts if len(tokenizer(t).input_ids) <= max_prompt_tokens]
         skipped, texts = len(texts) - len(fits), fits
