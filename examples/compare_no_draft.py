@@ -62,6 +62,7 @@ _ADAFLASH_VARIANTS = {
     "nocap": {},  # chosen budgets never cap the block (before run 32)
     "slow01": {},  # long-run rate over ~100 one-request rounds at every B
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
+    "slowb1": {},  # long-run rate over ~13 rounds at two requests (before run 36)
     "eagerchecks": {},  # checks of drafting not spaced by their loss (before run 31)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
@@ -75,6 +76,8 @@ _GATE_SETTINGS = {
     "slow01": {"slow_ema_per_request": 0.01, "slow_ema_one_request": 0.01},
     # the long-run rate at one request as before run 25 (25 rounds)
     "slow04": {"slow_ema_one_request": 0.04},
+    # the long-run rate at two requests as before run 36 (~13 rounds)
+    "slowb1": {"slow_one_request_max_batch": 1},
     # checks of drafting under load back off from 8 steps whatever they lose
     "eagerchecks": {"check_share": 0.0},
 }

@@ -52,7 +52,8 @@ to K + 1 tokens, and without this its EMA dipping below skipping's steady rate b
 chance switched the gate off for a third of the steps at one request. A switch to
 skipping must also beat drafting's long-run rate (`draft_rate_slow`, an EMA in which
 a round of B requests weighs as B one-request rounds would, restarted when the batch
-moves by a quarter): a run of rejected rounds is common in text the drafter serves
+moves by a quarter; ~100 one-request rounds up to `slow_one_request_max_batch`
+requests, ~25 beyond): a run of rejected rounds is common in text the drafter serves
 well, and skipping such runs at one request still cost 6%. While skipping, checks of
 drafting back off only to `skip_interval_per_request` steps per request in the
 batch: with few requests drafting's rate follows their text, and a stretch of easy
@@ -124,6 +125,12 @@ class DraftGate:
     # (BENCHMARKS.md run 25); a hard stretch now needs ~100 rounds to switch.
     # At four requests 0.01 per request (25 steps) cost 5% against 0.04.
     slow_ema_one_request: float = 0.01
+    # Batches up to this size weigh each request by `slow_ema_one_request`
+    # (at two, ~50 rounds). At two requests on prose, where drafting gains
+    # ~1.2x, the ~13-round rate of 0.04 per request switched to skipping 16-20
+    # times per 3,000 steps, skipped 18-25% of them and retired requests
+    # (BENCHMARKS.md run 36).
+    slow_one_request_max_batch: int = 2
     drafting: bool = True  # the mode being followed
     interval: int = 8
     step: int = 0
@@ -207,11 +214,12 @@ class DraftGate:
         if not 3 * self.slow_batch <= 4 * num_reqs <= 5 * self.slow_batch:
             # The batch moved by more than a quarter: rates are not comparable.
             # A round of B requests weighs as B one-request rounds would.
-            w = (
+            per_request = (
                 self.slow_ema_one_request
-                if num_reqs <= 1
-                else 1.0 - (1.0 - self.slow_ema_per_request) ** num_reqs
+                if num_reqs <= self.slow_one_request_max_batch
+                else self.slow_ema_per_request
             )
+            w = 1.0 - (1.0 - per_request) ** max(num_reqs, 1)
             self.draft_rate_slow = RatioEMA(min(w, self.ema))
             self.slow_batch = num_reqs
         if self.step < self.exploring_until:
