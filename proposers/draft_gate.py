@@ -127,8 +127,8 @@ class DraftGate:
     slow_ema_one_request: float = 0.01
     # Batches up to this size weigh each request by `slow_ema_one_request`
     # (at two, ~50 rounds). At two requests on prose, where drafting gains
-    # ~1.2x, the ~13-round rate of 0.04 per request switched to skipping 16-20
-    # times per 3,000 steps, skipped 18-25% of them and retired requests
+    # ~1.2x, the ~13-round rate of 0.04 per request switched to skipping 15-20
+    # times per 3,000 steps, skipped 15-24% of them and retired requests
     # (BENCHMARKS.md run 36).
     slow_one_request_max_batch: int = 2
     drafting: bool = True  # the mode being followed

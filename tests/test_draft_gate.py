@@ -291,7 +291,7 @@ def test_two_requests_keep_a_long_run_rate_over_many_rounds():
     """At two requests drafting's long-run rate spans ~50 rounds, as one
     request's does ~100 (`slow_one_request_max_batch`): over ~13 rounds (0.04
     per request) runs of rejected rounds switched the gate to skipping, which
-    the demo engines did 16-20 times in 3,000 steps (BENCHMARKS.md run 36)."""
+    the demo engines did 15-20 times in 3,000 steps (BENCHMARKS.md run 36)."""
     runs = range(6)
     gates = [DraftGate() for _ in runs]
     skipped = sum(
