@@ -77,7 +77,7 @@ def run_at_concurrency(llm, prompts, params, concurrency: int) -> list:
         nxt = next(pending, None)
         if nxt is None:
             return False
-        req_id = f"turn2-{time.monotonic_ns()}-{nxt[0]}"
+        req_id = f"in-flight-{time.monotonic_ns()}-{nxt[0]}"
         index[req_id] = nxt[0]
         engine.add_request(req_id, nxt[1], params)
         return True
