@@ -44,6 +44,8 @@ import time
 
 from compare_no_draft import _engine, demo_prompts, in_process_engines
 
+from adaflash_vllm.bench.paired import round_order
+
 ENGINES = "plain,cut=adaflash,keep=adaflash"
 FOLLOW_UP = "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -158,13 +160,16 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     walls = {name: [0.0] * args.rounds for name in specs}  # per round
     first_walls = {name: [0.0] * args.rounds for name in specs}
-    order = list(engines)
     n, group = args.concurrency, args.follow_concurrency
     for r in range(args.rounds):
         start = (r * n) % max(1, len(prompts) - n)
         batch = prompts[start : start + n]
         hashes = set()
-        for name in order:
+        # Rotated by one each round (`round_order`): when the order reversed
+        # each round, a plain engine at a round's first place (it had also run
+        # last in the round before) ran 7-11% faster than its twin at the last
+        # place (BENCHMARKS.md run 35).
+        for name in round_order(list(engines), r):
             llm = engines[name]
             start_counts = llm.collective_rpc(counts)[0]
             t = time.perf_counter()
@@ -214,11 +219,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         if len(hashes) != 1:
             raise SystemExit(f"round {r}: the engines' outputs differ")
-        # Rotate, as paired.alternating_rounds does: when the order reversed
-        # each round, a plain engine at a round's first place (it had also run
-        # last in the round before) ran 7-11% faster than its twin at the last
-        # place (BENCHMARKS.md run 35).
-        order = order[1:] + order[:1]
     phases = [("follow-up turns", walls)]
     if args.first_concurrency:
         phases.insert(0, ("first turns", first_walls))

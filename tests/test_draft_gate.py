@@ -231,21 +231,22 @@ def test_charge_skipped_moves_time_onto_skipped_rounds():
     assert gate.context_ms == pytest.approx(3.0)
 
 
-def _low_load(gate, steps, seed=0):
-    """One request: a drafting round emits 1..8 tokens in 22 ms (mean 2.9, as the
-    demo drafter at C = 1), a skipped one 1 token in 13 ms. Returns skipped steps."""
+def _low_load(gate, steps, seed=0, requests=1, draft_ms=22.0, skip_ms=13.0):
+    """`requests` requests: a drafting round emits each request's 1..8 tokens
+    (mean 2.9, as the demo drafter at C = 1) in `draft_ms`, a skipped one a token
+    per request in ~`skip_ms`. Returns skipped steps."""
     rng = random.Random(seed)
     tokens = (1, 1, 1, 2, 2, 3, 3, 4, 5, 7)
     last, skipped = None, 0
     for _ in range(steps):
         if last is not None:
             if last:
-                gate.record_round(drafted=True, tokens=rng.choice(tokens), ms=22.0)
+                emitted = sum(rng.choice(tokens) for _ in range(requests))
+                gate.record_round(drafted=True, tokens=emitted, ms=draft_ms)
             else:
-                gate.record_round(
-                    drafted=False, tokens=1.0, ms=13.0 * rng.uniform(0.9, 1.1)
-                )
-        last = gate.should_draft(1)
+                ms = skip_ms * rng.uniform(0.9, 1.1)
+                gate.record_round(drafted=False, tokens=float(requests), ms=ms)
+        last = gate.should_draft(requests)
         skipped += not last
     return skipped
 
@@ -267,24 +268,10 @@ def test_noise_aware_switching_keeps_drafting_at_low_load():
 
 
 def _two_requests(gate, steps, seed=0):
-    """Two requests: a drafting round emits each request's 1..8 tokens (mean
-    2.9) in 26 ms, a skipped one 2 tokens in ~11 ms: drafting 1.23x skipping in
-    the mean (the demo at two requests on prose reads ~1.2x). Returns skipped
-    steps."""
-    rng = random.Random(seed)
-    tokens = (1, 1, 1, 2, 2, 3, 3, 4, 5, 7)
-    last, skipped = None, 0
-    for _ in range(steps):
-        if last is not None:
-            if last:
-                emitted = rng.choice(tokens) + rng.choice(tokens)
-                gate.record_round(drafted=True, tokens=emitted, ms=26.0)
-            else:
-                ms = 11.0 * rng.uniform(0.9, 1.1)
-                gate.record_round(drafted=False, tokens=2.0, ms=ms)
-        last = gate.should_draft(2)
-        skipped += not last
-    return skipped
+    """Two requests, drafting rounds in 26 ms and skipped ones in ~11 ms:
+    drafting 1.23x skipping in the mean (the demo at two requests on prose
+    reads ~1.2x). Returns skipped steps."""
+    return _low_load(gate, steps, seed, requests=2, draft_ms=26.0, skip_ms=11.0)
 
 
 def test_two_requests_keep_a_long_run_rate_over_many_rounds():

@@ -104,6 +104,13 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+def round_order(names: list[str], i: int) -> list[str]:
+    """The engines' order in round `i`: `names` rotated by one per round, so
+    that each engine takes every place in turn (see `alternating_rounds`)."""
+    shift = i % len(names)
+    return names[shift:] + names[:shift]
+
+
 def alternating_rounds(
     engines: dict[str, tuple[object, set[int]]],
     prompts: list[str],
@@ -128,10 +135,7 @@ def alternating_rounds(
         batch = [prompts[k] for k in picks]
         each = isinstance(params, list)
         batch_params = [params[k] for k in picks] if each else params
-        names = list(engines)
-        shift = i % len(names)
-        order = names[shift:] + names[:shift]
-        for name in order:
+        for name in round_order(list(engines), i):
             llm, pids = engines[name]
             rows[name].append(serve_round(llm, pids, batch, batch_params))
         if on_round is not None:
