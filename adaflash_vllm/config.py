@@ -123,6 +123,12 @@ class OnlineConfig(_Struct):
     # Position decay w_k = exp(-(k-1)/gamma) over the K draft slots.
     num_anchors: Annotated[int, Meta(ge=0, le=4096)] = 32
     # Random anchors per sequence besides the logged round positions.
+    replay: Annotated[float, Meta(ge=0, le=4)] = 0.0
+    # Earlier trajectories trained on per round besides the new ones, as a share
+    # of them, drawn from a uniform sample of all trained on so far
+    # (training/replay.py): against forgetting what the traffic no longer sends.
+    replay_pool: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024
+    # Trajectories that sample keeps.
     max_len: Annotated[int, Meta(ge=16)] = 2048
     grad_clip: Annotated[float, Meta(gt=0)] = 1.0
     spawn_trainer: bool = False

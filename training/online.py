@@ -46,6 +46,7 @@ from adaflash_vllm.training.drafter import DFlashDrafter
 from adaflash_vllm.training.features import TargetModel
 from adaflash_vllm.training.head import head_loss, head_targets
 from adaflash_vllm.training.losses import position_decay_weights
+from adaflash_vllm.training.replay import ReplayPool
 from vllm.logger import init_logger
 
 from adaflash_vllm.buffer import BufferPosition, BufferReader, Trajectory
@@ -61,6 +62,7 @@ from adaflash_vllm.versions import (
 logger = init_logger(__name__)
 
 HEARTBEAT = "trainer.json"
+REPLAY_FILE = "replay.msgpack"  # in versions_dir/trainer/
 HEAD_LR = 2e-4  # the AdaFlash paper's head learning rate
 
 
@@ -91,6 +93,8 @@ class RoundMetrics:
     head_served_ece: float | None = None
     head_served_mae_constant: float | None = None
     stale_skipped: int = 0  # trajectories passed over for newer ones, so far
+    # earlier trajectories trained on besides (`online.replay`, training/replay.py)
+    replayed: int = 0
 
 
 def newest_batch(
@@ -148,6 +152,17 @@ class OnlineTrainer:
         self._restore_optimizer()
         self.pending: list[Trajectory] = []
         self.stale_skipped = 0  # trajectories passed over for newer ones
+        # earlier traffic trained on again each round (rank 0 samples it)
+        self.replay: ReplayPool | None = None
+        if self.cfg.replay > 0 and self.is_main:
+            self.replay = ReplayPool(self.cfg.replay_pool)
+            problem = self.replay.load(self.state_dir / REPLAY_FILE)
+            if problem:
+                logger.warning(
+                    "AdaFlash trainer: the replay pool could not be read (%s); "
+                    "it starts empty",
+                    problem,
+                )
         # the last round's realised median on its logged rounds: the constant
         # forecast the head's served MAE is set against
         self._last_served_median: float | None = None
@@ -284,6 +299,8 @@ class OnlineTrainer:
             self.state_dir / "optimizer.pt.tmp",
         )
         os.replace(self.state_dir / "optimizer.pt.tmp", self.state_dir / "optimizer.pt")
+        if self.replay is not None:
+            self.replay.save(self.state_dir / REPLAY_FILE)
 
     def _heartbeat(self) -> None:
         path = Path(self.cfg.versions_dir) / HEARTBEAT
@@ -337,23 +354,38 @@ class OnlineTrainer:
             rounds += 1
 
     def train_round(self, trajectories: list[Trajectory]) -> RoundMetrics:
-        """Distil on `trajectories`, publish and offer the new version."""
+        """Distil on `trajectories` (and, with `online.replay`, on earlier ones
+        drawn from the replay pool), publish and offer the new version."""
         self.status = "training"
         self._follow_rejections()
+        replayed = self._broadcast(self._draw_replay(len(trajectories)))
         seqs, forced = self._sequences(trajectories)
+        fresh = len(seqs)
+        old_seqs, old_forced = self._sequences(replayed)
+        seqs, forced = seqs + old_seqs, forced + old_forced
         t0 = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         steps = tokens = 0
-        order = list(range(len(seqs)))
+        order = list(range(fresh))
+        old = list(range(fresh, len(seqs)))
         rng = random.Random(self.version)
+        size = self.cfg.batch_size
         for epoch in range(self.cfg.epochs):
             rng.shuffle(order)
-            for i in range(0, len(order), self.cfg.batch_size):
-                idx = self._shard(order, i)
+            # (indices, start, measured): each step is all new or all replayed
+            # sequences, so that the first epoch's measurements (accepted drafts,
+            # the head's calibration on rounds it has not seen) are the new ones'
+            batches = [(order, i, epoch == 0) for i in range(0, fresh, size)]
+            if old:
+                rng.shuffle(old)
+                batches += [(old, i, False) for i in range(0, len(old), size)]
+                rng.shuffle(batches)
+            for part, i, measured in batches:
+                idx = self._shard(part, i)
                 out = self.step(
                     [seqs[j] for j in idx],
                     [forced[j] for j in idx],
-                    measure_accept=epoch == 0,
+                    measure_accept=measured,
                 )
                 steps += 1
                 tokens += sum(len(seqs[j].token_ids) for j in idx)
@@ -362,7 +394,7 @@ class OnlineTrainer:
         keys = sorted(sums)
         sums = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
         tokens = int(self._all_reduce([float(tokens)])[0])
-        accept_after = self.measure_accept(seqs, forced)
+        accept_after = self.measure_accept(seqs[:fresh], forced[:fresh])
         served, self._last_served_median = served_calibration(
             sums, self._last_served_median
         )
@@ -382,12 +414,22 @@ class OnlineTrainer:
             head_mse=sums["head_mse"] / max(1, steps * self.world),
             **served,
             stale_skipped=self.stale_skipped,
+            replayed=len(replayed),
         )
+        if self.replay is not None:
+            self.replay.add(trajectories)  # (saved with the state by publish)
         if self.is_main:
             self.publish(metrics)
         self.version = self._broadcast(self.version)
         self.status = "idle"
         return metrics
+
+    def _draw_replay(self, fresh: int) -> list[Trajectory]:
+        """Rank 0: `online.replay` x `fresh` trajectories of the replay pool
+        (fewer while it holds fewer); other ranks get them by broadcast."""
+        if self.replay is None:
+            return []
+        return self.replay.sample(round(self.cfg.replay * fresh))
 
     def _shard(self, order: list[int], start: int) -> list[int]:
         """This rank's part of the global step starting at `start` (the global batch
