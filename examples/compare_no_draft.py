@@ -64,6 +64,10 @@ _ADAFLASH_VARIANTS = {
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
     "slowb1": {},  # long-run rate over ~13 rounds at two requests (before run 36)
     "eagerchecks": {},  # checks of drafting not spaced by their loss (before run 31)
+    "eagersmall": {},  # checks never spaced by their loss below 8 (before run 37)
+    "spacedsmall": {},  # ... always spaced by it there (_GATE_SETTINGS)
+    "longruns": {},  # drafting runs that lose end as before run 37
+    "before37": {},  # both of run 37's changes off
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
@@ -80,6 +84,14 @@ _GATE_SETTINGS = {
     "slowb1": {"slow_one_request_max_batch": 1},
     # checks of drafting under load back off from 8 steps whatever they lose
     "eagerchecks": {"check_share": 0.0},
+    # below 8 requests checks of drafting never spaced by their loss (before run 37)
+    "eagersmall": {"check_value_ema": 0.0},
+    # ... always spaced by it, whether or not checks paid (tried in run 37)
+    "spacedsmall": {"check_share_min_batch": 1},
+    # a drafting run that has lost against skipping waits for the recent rate
+    # to fall a standard error below skipping's (before run 37)
+    "longruns": {"run_loss_tokens": 0.0},
+    "before37": {"check_value_ema": 0.0, "run_loss_tokens": 0.0},
 }
 
 

@@ -275,13 +275,18 @@ def main() -> None:
             gate = state["draft_gate"] or {}
             buckets = {
                 b: {
-                    k: g[k]
+                    k: g.get(k)
                     for k in (
                         "drafted_steps",
                         "skipped_steps",
                         "drafting",
                         "switches",
                         "explorations",
+                        "predicted_checks",
+                        "predicted_switches",
+                        "passed_checks",
+                        "check_value",
+                        "checks_closed",
                     )
                 }
                 for b, g in (gate.get("buckets") or {}).items()
@@ -315,7 +320,11 @@ def main() -> None:
                 print(
                     f"  {name} bucket {bucket}: drafted {g['drafted_steps']}, "
                     f"skipped {g['skipped_steps']}, drafting {g['drafting']}, "
-                    f"switches {g['switches']}, explorations {g['explorations']}"
+                    f"switches {g['switches']}, explorations {g['explorations']}, "
+                    f"predicted checks {g['predicted_checks']} (switches "
+                    f"{g['predicted_switches']}), passed {g['passed_checks']}, "
+                    f"check value {_fmt(g['check_value'])} over "
+                    f"{g['checks_closed']} checks"
                 )
             for bucket, g in summary["adaflash_state"][name]["block_length"].items():
                 print(f"  {name} bucket {bucket} block length: {g}")
@@ -324,6 +333,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(line + "\n")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -54,7 +54,14 @@ skipping must also beat drafting's long-run rate (`draft_rate_slow`, an EMA in w
 a round of B requests weighs as B one-request rounds would, restarted when the batch
 moves by a quarter; ~100 one-request rounds up to `slow_one_request_max_batch`
 requests, ~25 beyond): a run of rejected rounds is common in text the drafter serves
-well, and skipping such runs at one request still cost 6%. While skipping, checks of
+well, and skipping such runs at one request still cost 6%. Where that long-run
+rate no longer beats skipping's, a drafting run (since the switch to drafting or
+the last check of skipping that kept it) that has emitted `run_loss_tokens` per
+request fewer tokens than skipping would have in its time starts a check of
+skipping at once, and the check leaves drafting whatever the recent rate's noise:
+a lucky check of drafting on text the drafter serves badly otherwise started a
+run that lasted until the recent rate fell a standard error below skipping's.
+While skipping, checks of
 drafting back off only to `skip_interval_per_request` steps per request in the
 batch: with few requests drafting's rate follows their text, and a stretch of easy
 text missed costs several times what a check during a hard one does. From
@@ -62,6 +69,14 @@ text missed costs several times what a check during a hard one does. From
 measured loss is `check_share` of the time skipped in between: at 64 requests a
 drafting round loses ~50 ms against skipping, and a backoff doubling from 8
 steps checked 7 times (31 drafting steps) in a bucket's first 2,000 steps.
+Below `check_share_min_batch` requests they are spaced so (up to
+`check_share_min_cap` steps) only once checks have lost on net: `check_value`,
+what each check's drafting rounds, and the drafting run a switch started, emitted
+beyond what skipping would have in their time, falls below zero (an EMA over at
+least `check_value_min_checks` checks). On text with easy stretches a check now
+and then catches one and pays for many that did not; on a domain the drafter
+serves badly none does (on the demo's code prompts spacing them gained 4-6% in
+one pair of runs and nothing in a rerun; BENCHMARKS.md run 37).
 
 The engine runs one such gate per batch-size bucket (`BatchSizeGates`): rates in
 tokens per ms are only compared between rounds of about the same batch size. What
@@ -116,6 +131,9 @@ class DraftGate:
     # requests' text, which turns easy again within a few rounds. 0: off.
     check_share: float = 0.01
     check_share_min_batch: int = 8
+    # Below `skip_interval_per_request` x B = this many steps (small batches),
+    # what checks lose may still space them up to it.
+    check_share_min_cap: int = 128
     # drafting's long-run rate: EMA weight per request in a round (at B requests
     # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter) ...
     slow_ema_per_request: float = 0.04
@@ -157,6 +175,10 @@ class DraftGate:
     switches: int = 0
     predicted_checks: dict = field(default_factory=dict)
     predicted_switches: int = 0
+    # steps on which a check of skipping was due while drafting but not worth
+    # it: the cost model's estimate ("model") or drafting's long-run rate
+    # ("long_run") favoured drafting by `sure_margin`
+    passed_checks: dict = field(default_factory=dict)
     context_ms: float = 0.0  # EMA of a skipped step's context-only propose time
     # While drafting, a check of skipping needs no skipped rounds: skipping's
     # rate is predicted from its last measured one, scaled by how the step-cost
@@ -194,6 +216,28 @@ class DraftGate:
     # the next step.
     check_waiting: bool = False
     check_waits: int = 0  # steps a check waited
+    # What checks of drafting (while skipping) gained against skipping, in
+    # tokens: each check's drafting rounds and, where it switched, the drafting
+    # run that followed, every round's tokens less what skipping's rate emits
+    # in its time; an EMA over checks (`check_value_ema`), None before the
+    # first. Below `check_share_min_batch` requests checks are spaced by what
+    # they lose only while this is negative: on text with easy stretches a
+    # check now and then catches one and pays for many that did not; on a
+    # domain the drafter serves badly none does.
+    check_value: float | None = None
+    check_value_ema: float = 0.05  # 0: checks below 8 requests never spaced
+    check_value_min_checks: int = 16  # ... nor before this many checks ended
+    checks_closed: int = 0
+    check_value_open: float | None = None  # the check in progress (None: none)
+    # A drafting run, since the switch to drafting or the last check of skipping
+    # that kept it, that has emitted `run_loss_tokens` fewer tokens than
+    # skipping's rate would have in its time checks skipping at once, and
+    # leaves drafting unless drafting's long-run rate beats skipping's. A lucky
+    # check on text the drafter serves badly otherwise starts a run that lasts
+    # until drafting's noisy rate falls a standard error below skipping's:
+    # at one request ~50-80 steps a switch on the demo's code prompts. 0: off.
+    run_loss_tokens: float = 4.0
+    run_value: float | None = None  # the run's tokens beyond skipping's
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
@@ -269,6 +313,10 @@ class DraftGate:
         """The round of the previous step: whether it drafted, the tokens its
         verification emitted and the ms from its propose to this one."""
         if ms > 0:
+            self._credit_check(drafted, tokens, ms)
+            skip = self.skip_rate.ratio()
+            if drafted and self.drafting and self.run_value is not None and skip:
+                self.run_value += tokens - skip * ms
             (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
             if drafted:
                 self.draft_rate_slow.add(tokens, ms)
@@ -281,6 +329,24 @@ class DraftGate:
             m[0] += 1
             m[1] += a * (r - m[1])
             m[2] += a * (r * r - m[2])
+
+    def _credit_check(self, drafted: bool, tokens: float, ms: float) -> None:
+        """A round for the check of drafting in progress (`check_value`): a
+        drafting round adds its tokens less skipping's in its time; a skipped
+        round while following skipping ends the check."""
+        if self.check_value_open is None:
+            return
+        if drafted:
+            skip = self.skip_rate.ratio()
+            if skip is not None:
+                self.check_value_open += tokens - skip * ms
+        elif not self.drafting:
+            value, self.check_value_open = self.check_value_open, None
+            self.checks_closed += 1
+            if self.check_value is None:
+                self.check_value = value
+            else:
+                self.check_value += self.check_value_ema * (value - self.check_value)
 
     def rate_noise(self, drafted: bool) -> float:
         """Standard error of a mode's rate EMA: the spread of its per-round rates
@@ -357,17 +423,44 @@ class DraftGate:
         if not self.drafting:
             return True
         if self.model_ratio is not None and self.model_ratio >= self.sure_margin:
+            self._pass_check("model")
             return False
         # Nor while drafting's long-run rate is `sure_margin` times skipping's last
         # measured one: the per-step estimate above swings with each step's
         # predicted acceptance (at one request from ~1x to 5x), and each check
         # there skipped steps that emit a quarter of a drafting step's tokens.
-        return not self._drafting_wins_decisively(self.sure_margin)
+        if self._drafting_wins_decisively(self.sure_margin):
+            self._pass_check("long_run")
+            return False
+        return True
+
+    def _pass_check(self, why: str) -> None:
+        """A due check of skipping not run (`passed_checks`: steps, by why):
+        drafting stands confirmed, and its run's count starts again."""
+        self.passed_checks[why] = self.passed_checks.get(why, 0) + 1
+        self.run_value = 0.0
+
+    def _run_lost(self) -> bool:
+        """Drafting, its run has lost `run_loss_tokens` against skipping, and
+        drafting's long-run rate does not beat skipping's last measured one
+        (where it does, a check would keep drafting: text drafting serves well
+        has runs of rejected rounds)."""
+        if not (
+            self.drafting
+            and self.run_loss_tokens > 0
+            and self.run_value is not None
+            and self.run_value < -self.run_loss_tokens * max(self.switch_batch, 1)
+        ):
+            return False
+        slow, skip = self.draft_rate_slow.ratio(), self.skip_rate.ratio()
+        return slow is None or skip is None or slow <= skip
 
     def _exploration_due(self) -> str | None:
         """Why the other mode is due a check now, if it is."""
         if self.step >= self.explore_at:
             return "backoff"
+        if self._run_lost():
+            return "run_lost"
         if self._draft_rate_fell():
             return "draft_rate_fell"
         if self.held and self.drafting and not self.held_settled:
@@ -376,6 +469,8 @@ class DraftGate:
 
     def _explore(self, num_reqs: int, reason: str) -> None:
         self.explorations[reason] = self.explorations.get(reason, 0) + 1
+        if not self.drafting and self.check_value_open is None:
+            self.check_value_open = 0.0  # a check of drafting: what it gains
         # +1: the last exploring step's round is only credited at the next step.
         self.exploring_until = self.step + self.explore_steps + 1
         self.switch_batch = num_reqs
@@ -404,7 +499,8 @@ class DraftGate:
                 # one request skipping them lost 6% (BENCHMARKS.md, the gate at
                 # C = 1); steadily rejected drafts (another domain) still switch.
                 slow = self.draft_rate_slow.ratio()
-                best = not (s > d + noise and (slow is None or s > slow))
+                lost = s > d + noise or self._run_lost()
+                best = not (lost and (slow is None or s > slow))
             else:
                 # Nor a switch to drafting that the cost model's estimate says
                 # loses by `sure_margin` (under load a few exploration rounds on
@@ -430,6 +526,7 @@ class DraftGate:
         if best and self._drafting_wins_decisively():
             cap = max(cap, self.decisive_max_interval)
         self.switches += best != self.drafting
+        self.run_value = 0.0 if best else None  # a new run, or drafting confirmed
         if best == self.drafting:
             self.interval = min(grow * self.interval, cap)
         elif (
@@ -454,7 +551,8 @@ class DraftGate:
             cap = self._skip_cap(self.switch_batch)
             # Held: smaller batches check drafting for this one (the longest wait).
             self.interval = cap if self.held else min(self.interval, cap)
-            self.interval = max(self.interval, min(self._check_spacing(), cap))
+            spaced_cap = max(cap, self.check_share_min_cap)
+            self.interval = max(self.interval, min(self._check_spacing(), spaced_cap))
         self.held_settled = self.held
         self.explore_at = self.step + self.interval
         self.settled_at, self.settled_draft_rate = self.step, self.draft_rate.ratio()
@@ -465,7 +563,14 @@ class DraftGate:
         no such floor: a small batch, no measured loss, or `check_share` 0).
         The loss of a drafting round is its time less the time skipping would
         take for the tokens it emitted (EMAs of both per round)."""
-        if self.check_share <= 0 or self.switch_batch < self.check_share_min_batch:
+        if self.check_share <= 0:
+            return 0
+        if self.switch_batch < self.check_share_min_batch and not (
+            self.check_value_ema > 0
+            and self.checks_closed >= self.check_value_min_checks
+            and self.check_value is not None
+            and self.check_value < 0
+        ):
             return 0
         d, s = self.draft_rate, self.skip_rate
         if not d.count or not s.count or d.num <= 0 or s.num <= 0 or s.den <= 0:
@@ -514,7 +619,8 @@ class DraftGate:
             else:
                 noise = self.switch_z * self._difference_noise()
                 slow = self.draft_rate_slow.ratio()
-                best = not (s > d + noise and (slow is None or s > slow))
+                lost = s > d + noise or self._run_lost()
+                best = not (lost and (slow is None or s > slow))
                 # Too close to call on the prediction: measure. (Drafting's
                 # long-run rate counts: at one request it spans ~100 rounds and
                 # the recent one dips near skipping's every few rounds.)
@@ -566,10 +672,13 @@ class DraftGate:
             "context_ms": self.context_ms,
             "held": self.held,
             "check_waits": self.check_waits,
+            "check_value": self.check_value,
+            "checks_closed": self.checks_closed,
             "explorations": dict(self.explorations),
             "switches": self.switches,
             "predicted_checks": dict(self.predicted_checks),
             "predicted_switches": self.predicted_switches,
+            "passed_checks": dict(self.passed_checks),
             "predicted_skip_tokens_per_ms": self._predicted_skip_rate(),
         }
 
