@@ -131,8 +131,9 @@ class DraftGate:
     # requests' text, which turns easy again within a few rounds. 0: off.
     check_share: float = 0.01
     check_share_min_batch: int = 8
-    # Below `skip_interval_per_request` x B = this many steps (small batches),
-    # what checks lose may still space them up to it.
+    # Below `check_share_min_batch` requests, checks spaced by what they lose
+    # (once they lose on net: `check_value`) wait up to this many steps (the
+    # per-request cap, `skip_interval_per_request` x B, is shorter there).
     check_share_min_cap: int = 128
     # drafting's long-run rate: EMA weight per request in a round (at B requests
     # 1 - (1 - w)^B, at most `ema`; reset when the batch moves by a quarter) ...
@@ -230,12 +231,13 @@ class DraftGate:
     checks_closed: int = 0
     check_value_open: float | None = None  # the check in progress (None: none)
     # A drafting run, since the switch to drafting or the last check of skipping
-    # that kept it, that has emitted `run_loss_tokens` fewer tokens than
-    # skipping's rate would have in its time checks skipping at once, and
+    # that kept it, that has emitted `run_loss_tokens` per request fewer tokens
+    # than skipping's rate would have in its time checks skipping at once, and
     # leaves drafting unless drafting's long-run rate beats skipping's. A lucky
     # check on text the drafter serves badly otherwise starts a run that lasts
     # until drafting's noisy rate falls a standard error below skipping's:
-    # at one request ~50-80 steps a switch on the demo's code prompts. 0: off.
+    # ~130-230 steps a switch at two requests on the demo's code
+    # prompts (BENCHMARKS.md run 37). 0: off.
     run_loss_tokens: float = 4.0
     run_value: float | None = None  # the run's tokens beyond skipping's
 
