@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny models, engine construction and teardown, metrics."""
+"""Shared test helpers: tiny models, engine construction and teardown, metrics,
+served trajectories and online-trainer configs."""
 
 from __future__ import annotations
 
@@ -241,3 +242,53 @@ def metrics(llm) -> dict[str, object]:
 def torch_seed(seed: int = 0) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def served_trajectories(
+    tiny: TinyModels,
+    count: int,
+    first: int = 0,
+    drafts: int | None = None,
+    accepted: int | None = None,
+):
+    """`count` of the tiny models' sequences from `first` on, as the engine
+    logs them: a round every 3 output positions, each with `drafts` verified
+    and `accepted` accepted (None: the counts not logged)."""
+    from adaflash_vllm.buffer import Trajectory
+
+    out = []
+    for i, s in enumerate(tiny.sequences[first : first + count]):
+        p = s.prompt_len
+        positions = list(range(p + 1, len(s.token_ids) - 1, 3))
+        n = len(positions)
+        out.append(
+            Trajectory(
+                request_id=f"r{first + i}",
+                prompt_token_ids=s.token_ids[:p],
+                output_token_ids=s.token_ids[p:],
+                round_positions=positions,
+                round_drafts=[] if drafts is None else [drafts] * n,
+                round_accepted=[] if accepted is None else [accepted] * n,
+                drafter_version=0,
+                temperature=0.0,
+                finish_reason="length",
+            )
+        )
+    return out
+
+
+def trainer_config(buffer_dir: Path, versions_dir: Path, **online):
+    """An online-training config for a trainer run in the test process: no
+    push channel, the logged rounds only (no random anchors), one epoch;
+    `online` sets or overrides `OnlineConfig` fields."""
+    from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
+
+    settings = {"push": False, "num_anchors": 0, "epochs": 1, **online}
+    return AdaFlashConfig(
+        online=OnlineConfig(
+            enabled=True,
+            buffer_dir=str(buffer_dir),
+            versions_dir=str(versions_dir),
+            **settings,
+        )
+    )

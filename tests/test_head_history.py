@@ -18,6 +18,7 @@ from adaflash_vllm.training.online import (
 )
 
 from adaflash_vllm.buffer import Trajectory
+from tests.helpers import served_trajectories, trainer_config
 
 K = 4
 
@@ -161,36 +162,9 @@ def test_head_learns_what_the_previous_round_says():
 def test_online_round_trains_a_head_with_history(tiny, tiny_head_drafter, tmp_path):
     """A round of the online trainer on logged rounds feeds their history to the
     head: the head's history inputs carry gradient, and it reports its error."""
-    from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
-
-    trajectories = []
-    for i, s in enumerate(tiny.sequences[:4]):
-        p = s.prompt_len
-        positions = list(range(p + 1, len(s.token_ids) - 1, 3))
-        trajectories.append(
-            Trajectory(
-                request_id=f"r{i}",
-                prompt_token_ids=s.token_ids[:p],
-                output_token_ids=s.token_ids[p:],
-                round_positions=positions,
-                round_drafts=[3] * len(positions),
-                round_accepted=[2] * len(positions),
-                drafter_version=0,
-                temperature=0.0,
-                finish_reason="length",
-            )
-        )
-    cfg = AdaFlashConfig(
-        online=OnlineConfig(
-            enabled=True,
-            buffer_dir=str(tmp_path / "buf"),
-            versions_dir=str(tmp_path / "ver"),
-            push=False,
-            num_anchors=0,  # the logged rounds only
-            batch_size=4,
-            epochs=1,
-        )
-    )
+    trajectories = served_trajectories(tiny, 4, drafts=3, accepted=2)
+    # (no random anchors: the logged rounds only)
+    cfg = trainer_config(tmp_path / "buf", tmp_path / "ver", batch_size=4)
     trainer = OnlineTrainer(
         cfg,
         target_path=tiny.target,

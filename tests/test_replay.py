@@ -8,7 +8,7 @@ import logging
 from adaflash_vllm.training.replay import ReplayPool
 
 from adaflash_vllm.buffer import Trajectory
-from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
+from tests.helpers import served_trajectories, trainer_config
 
 
 def _traj(i: int, prompt=(1, 2, 3), output=(4, 5, 6, 7)) -> Trajectory:
@@ -63,31 +63,11 @@ def test_pool_survives_a_restart_and_reports_a_corrupt_file(tmp_path):
     assert problem is not None and str(path) in problem and len(broken) == 0
 
 
-def _served(tiny, first: int, count: int) -> list[Trajectory]:
-    out = []
-    for i, s in enumerate(tiny.sequences[first : first + count]):
-        p = s.prompt_len
-        t = _traj(first + i, s.token_ids[:p], s.token_ids[p:])
-        t.round_positions = list(range(p + 1, len(s.token_ids) - 1, 3))
-        out.append(t)
-    return out
-
-
 def _trainer(tiny, tmp_path, replay: float):
     from adaflash_vllm.training.online import OnlineTrainer
 
-    cfg = AdaFlashConfig(
-        online=OnlineConfig(
-            enabled=True,
-            buffer_dir=str(tmp_path / "buf"),
-            versions_dir=str(tmp_path / "ver"),
-            push=False,
-            num_anchors=0,
-            batch_size=2,
-            epochs=1,
-            replay=replay,
-            replay_pool=6,
-        )
+    cfg = trainer_config(
+        tmp_path / "buf", tmp_path / "ver", batch_size=2, replay=replay, replay_pool=6
     )
     return OnlineTrainer(
         cfg,
@@ -106,9 +86,9 @@ def test_trainer_rounds_replay_earlier_traffic(tiny, tmp_path, caplog):
     and one whose pool file is corrupt says so and starts empty."""
     trainer = _trainer(tiny, tmp_path, replay=0.5)
     try:
-        first = trainer.train_round(_served(tiny, 0, 4))
+        first = trainer.train_round(served_trajectories(tiny, 4))
         assert first.replayed == 0 and first.steps == 2
-        second = trainer.train_round(_served(tiny, 4, 4))
+        second = trainer.train_round(served_trajectories(tiny, 4, first=4))
         assert second.replayed == 2 and second.steps == 3  # 2 new + 1 replayed
         assert second.trajectories == 4
         assert len(trainer.replay) == 6 and trainer.replay.seen == 8
@@ -130,6 +110,6 @@ def test_trainer_rounds_replay_earlier_traffic(tiny, tmp_path, caplog):
     off = _trainer(tiny, tmp_path / "off", replay=0.0)
     try:
         assert off.replay is None
-        assert off.train_round(_served(tiny, 0, 4)).replayed == 0
+        assert off.train_round(served_trajectories(tiny, 4)).replayed == 0
     finally:
         off.close()

@@ -6,43 +6,14 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from adaflash_vllm.buffer import Trajectory
-from adaflash_vllm.config import AdaFlashConfig, OnlineConfig
+from adaflash_vllm.config import AdaFlashConfig
 from adaflash_vllm.serve_process import free_port
-
-
-def _trajectories(tiny) -> list[Trajectory]:
-    out = []
-    for i, s in enumerate(tiny.sequences[:8]):
-        p = s.prompt_len
-        out.append(
-            Trajectory(
-                request_id=f"r{i}",
-                prompt_token_ids=s.token_ids[:p],
-                output_token_ids=s.token_ids[p:],
-                round_positions=list(range(p + 1, len(s.token_ids) - 1, 3)),
-                round_drafts=[],
-                round_accepted=[],
-                drafter_version=0,
-                temperature=0.0,
-                finish_reason="length",
-            )
-        )
-    return out
+from tests.helpers import served_trajectories, trainer_config
 
 
 def _cfg(root, tag: str) -> AdaFlashConfig:
-    return AdaFlashConfig(
-        online=OnlineConfig(
-            enabled=True,
-            buffer_dir=str(root / f"buf-{tag}"),
-            versions_dir=str(root / f"ver-{tag}"),
-            push=False,
-            num_anchors=0,
-            batch_size=4,
-            epochs=1,
-            lr=1e-3,
-        )
+    return trainer_config(
+        root / f"buf-{tag}", root / f"ver-{tag}", batch_size=4, lr=1e-3
     )
 
 
@@ -83,7 +54,7 @@ def _run(world, tiny, tmp_path, tag):
         tag,
         str(tiny.target),
         str(tiny.drafter_trained),
-        _trajectories(tiny),
+        served_trajectories(tiny, 8),
         q,
     )
     procs = [
