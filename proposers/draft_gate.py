@@ -315,10 +315,17 @@ class DraftGate:
         """The round of the previous step: whether it drafted, the tokens its
         verification emitted and the ms from its propose to this one."""
         if ms > 0:
-            self._credit_check(drafted, tokens, ms)
+            # what a drafting round emitted beyond skipping's rate in its time
             skip = self.skip_rate.ratio()
-            if drafted and self.drafting and self.run_value is not None and skip:
-                self.run_value += tokens - skip * ms
+            gain = tokens - skip * ms if drafted and skip is not None else None
+            self._credit_check(drafted, gain)
+            if (
+                gain is not None
+                and skip
+                and self.drafting
+                and self.run_value is not None
+            ):
+                self.run_value += gain
             (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
             if drafted:
                 self.draft_rate_slow.add(tokens, ms)
@@ -332,16 +339,16 @@ class DraftGate:
             m[1] += a * (r - m[1])
             m[2] += a * (r * r - m[2])
 
-    def _credit_check(self, drafted: bool, tokens: float, ms: float) -> None:
+    def _credit_check(self, drafted: bool, gain: float | None) -> None:
         """A round for the check of drafting in progress (`check_value`): a
-        drafting round adds its tokens less skipping's in its time; a skipped
-        round while following skipping ends the check."""
+        drafting round adds its `gain` (its tokens less skipping's in its time;
+        None before skipping was measured); a skipped round while following
+        skipping ends the check."""
         if self.check_value_open is None:
             return
         if drafted:
-            skip = self.skip_rate.ratio()
-            if skip is not None:
-                self.check_value_open += tokens - skip * ms
+            if gain is not None:
+                self.check_value_open += gain
         elif not self.drafting:
             value, self.check_value_open = self.check_value_open, None
             self.checks_closed += 1
