@@ -397,7 +397,7 @@ def _losing_domain(gate, steps, seed, p_all=0.01, p_one=0.03):
 
 def test_checks_that_never_pay_are_spaced_by_what_they_lose_at_low_load():
     """One request on a domain where drafting loses: a check of drafting every
-    16 steps (the per-request cap) costs ~4% against skipping in this stream
+    16 steps (the per-request cap) costs over 2.5% against skipping here
     (on the demo's code prompts 4-6% in one pair of runs, nothing in a rerun;
     BENCHMARKS.md run 37). Once 16 checks have lost on net, they are spaced as
     under load."""
