@@ -68,6 +68,7 @@ _ADAFLASH_VARIANTS = {
     "spacedsmall": {},  # ... always spaced by it there (_GATE_SETTINGS)
     "longruns": {},  # drafting runs that lose end as before run 37
     "before37": {},  # both of run 37's changes off
+    "retireclose": {},  # retiring once skipping leads at all (_GATE_SETTINGS)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
@@ -92,6 +93,9 @@ _GATE_SETTINGS = {
     # to fall a standard error below skipping's (before run 37)
     "longruns": {"run_loss_tokens": 0.0},
     "before37": {"check_value_ema": 0.0, "run_loss_tokens": 0.0},
+    # requests retire from drafting once skipping's rate leads drafting's (both
+    # the recent and the long-run one) beyond the noise, not by 1.25x
+    "retireclose": {"retire_margin": 1.0},
 }
 
 

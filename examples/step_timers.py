@@ -235,6 +235,12 @@ def main() -> None:
         help="prompts per batch (each engine serves this many at a time)",
     )
     p.add_argument("--skip", type=int, default=100, help="prompts left out first")
+    p.add_argument(
+        "--domain",
+        default="prose",
+        choices=("prose", "math", "code"),
+        help="the demo's prompts of this domain (code: one the drafter serves badly)",
+    )
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--out", help="also write the table as JSON here")
     p.add_argument(
@@ -275,7 +281,7 @@ def main() -> None:
         timed(scheduler, SCHEDULER, f"{config}/scheduler")
     tokenizer = engines[names[0]].get_tokenizer()
     conc = args.concurrency
-    prompts = demo_prompts(tokenizer)
+    prompts = demo_prompts(tokenizer, args.domain)
     prompts = (prompts * (1 + (args.skip + conc + args.num_prompts) // len(prompts)))[
         args.skip : args.skip + conc + args.num_prompts
     ]

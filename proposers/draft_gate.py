@@ -113,6 +113,9 @@ class DraftGate:
     explore_steps: int = 3
     sure_margin: float = 2.0  # model says drafting wins by this much: never skip
     decisive_margin: float = 1.25  # a measured win this clear backs off 4x, not 2x
+    # skipping's lead at which the engine retires requests from drafting
+    # (`length.retire_when_skipping`, proposer.py `_retiring_now`)
+    retire_margin: float = 1.25
     shift_drop: float = 0.25  # drafting's rate fell this much since: explore now
     # ... unless drafting's long-run rate is still this times skipping's (at one
     # request the recent rate dips by a quarter every few rounds; inf: any dip)
@@ -401,19 +404,19 @@ class DraftGate:
             self.skip_rate.den += share
         self.context_ms += share
 
-    def skips_decisively(self) -> bool:
+    def skips_decisively(self, margin: float | None = None) -> bool:
         """Following skipping, and its last measured rate beats drafting's, both
-        the recent one and the long-run one (`draft_rate_slow`), by
-        `decisive_margin` and by more than `switch_z` standard errors. With one
-        or two requests a round's rate follows its text, and a hard stretch there
-        must not hold every larger batch."""
+        the recent one and the long-run one (`draft_rate_slow`), by `margin`
+        (None: `decisive_margin`) and by more than `switch_z` standard errors.
+        With one or two requests a round's rate follows its text, and a hard
+        stretch there must not hold every larger batch."""
         if self.drafting:  # (every step, for each smaller bucket: cheap first)
             return False
         d, s = self.draft_rate.ratio(), self.skip_rate.ratio()
         if d is None or s is None:
             return False
         d = max(d, self.draft_rate_slow.ratio() or 0.0)
-        if s < self.decisive_margin * d:
+        if s < (self.decisive_margin if margin is None else margin) * d:
             return False
         return s - d > self.switch_z * self._difference_noise()
 

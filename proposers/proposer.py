@@ -706,7 +706,7 @@ class AdaFlashProposer(DFlashProposer):
         return (
             current is not None
             and not current.drafting
-            and (current.held or current.skips_decisively())
+            and (current.held or current.skips_decisively(current.retire_margin))
             and not current.check_waiting
         )
 

@@ -113,7 +113,8 @@ def _retiring_proposer(decisive: bool):
                 drafting=False,
                 held=False,
                 check_waiting=False,
-                skips_decisively=lambda: decisive,
+                skips_decisively=lambda margin=None: decisive,
+                retire_margin=1.25,
             ),
         ),
         device=torch.device("cpu"),
@@ -169,7 +170,7 @@ def test_a_decisive_skip_retires_every_request_of_the_step():
 def test_retired_requests_stay_without_upkeep_once_skipping_is_not_decisive():
     proposer = _retiring_proposer(decisive=True)
     _skip_step(proposer, ["p", "d1", "d2"])
-    proposer.draft_gate.current.skips_decisively = lambda: False
+    proposer.draft_gate.current.skips_decisively = lambda margin=None: False
     proposer._deferred = _DeferredContext()
     proposer.retired.retired.discard("d2")  # as if d2 had not been retired
     _skip_step(proposer, ["p", "d1", "d2"])
@@ -216,7 +217,7 @@ def test_upkeep_tokens_kept_and_dropped_are_counted():
     proposer = _retiring_proposer(decisive=False)
     _skip_step(proposer, ["p", "d1", "d2"])
     assert proposer.retired.to_dict()["upkeep_kept_tokens"] == 5
-    proposer.draft_gate.current.skips_decisively = lambda: True
+    proposer.draft_gate.current.skips_decisively = lambda margin=None: True
     _skip_step(proposer, ["p", "d1", "d2"])
     state = proposer.retired.to_dict()
     assert state["upkeep_kept_tokens"] == 5 and state["upkeep_dropped_tokens"] == 5

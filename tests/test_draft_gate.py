@@ -909,3 +909,24 @@ def test_a_prediction_too_close_to_call_measures_skipping(batch):
     modes = serve(gate, 600, 1.2, 1.5, 14.0)  # hard text, the level reads high
     assert not gate.drafting, gate.to_dict()
     assert modes[200:].count(False) > 0.9 * len(modes[200:]), modes
+
+
+def test_the_retire_margin_sets_the_lead_retiring_needs():
+    """Skipping 1.1x ahead of a steady drafting rate: not decisive (1.25x), so
+    neither larger buckets are held nor, at the default `retire_margin`, does
+    the engine retire; a gate configured with `retire_margin` 1.0 retires on
+    that lead, and larger buckets still are not held."""
+    gates = BatchSizeGates()
+    gates.should_draft(2)
+    two = gates.gates[2]
+    two.drafting = False
+    for _ in range(40):
+        gates.record_round(drafted=True, tokens=2.0, ms=11.0)
+        gates.record_round(drafted=False, tokens=2.0, ms=10.0)
+    assert not two.skips_decisively()
+    assert not two.skips_decisively(two.retire_margin)
+    gates.configure({"retire_margin": 1.0})
+    assert two.skips_decisively(two.retire_margin)
+    assert not two.skips_decisively()
+    gates.should_draft(8)
+    assert not gates.gates[8].held
