@@ -15,6 +15,7 @@ Run (after `adaflash bench shift --configs online@...,replay1@... --out DIR`):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from pathlib import Path
@@ -23,6 +24,17 @@ from pathlib import Path
 def load_points(out_dir: Path, config: str) -> list[dict]:
     """The per-window points of one configuration's result JSON."""
     return json.loads((out_dir / f"{config}.json").read_text())["points"]
+
+
+def phases(points: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The stream's phases in order, each a run of consecutive windows; a set
+    served again later (`prose,...,prose`) is its own phase, "(again)"."""
+    out: list[tuple[str, list[dict]]] = []
+    seen: set[str] = set()
+    for name, run in itertools.groupby(points, key=lambda q: q["phase"]):
+        out.append((f"{name} (again)" if name in seen else name, list(run)))
+        seen.add(name)
+    return out
 
 
 def weighted_tau(points: list[dict]) -> float:
@@ -54,9 +66,7 @@ def main() -> None:
     other = load_points(args.out_dir, other_name)
     if [q["key"] for q in base] != [q["key"] for q in other]:
         raise SystemExit("the two configurations did not serve the same windows")
-    for phase in dict.fromkeys(q["phase"] for q in base):
-        a = [q for q in base if q["phase"] == phase]
-        b = [q for q in other if q["phase"] == phase]
+    for (phase, a), (_, b) in zip(phases(base), phases(other), strict=True):
         parts = (("all", slice(None)), (f"first {args.head}", slice(args.head)))
         for label, part in parts:
             mean, half = paired_ratio(a[part], b[part])

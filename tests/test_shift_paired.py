@@ -53,3 +53,10 @@ def test_streams_of_other_windows_are_refused(shift_paired, tmp_path, capsys):
             shift_paired.main()
     finally:
         sys.argv = argv
+
+
+def test_a_set_served_again_is_a_phase_of_its_own(shift_paired):
+    points = _points([2.0, 2.0], "prose") + _points([1.0], "math")
+    points += _points([1.5, 1.5, 1.5], "prose")
+    got = [(name, len(run)) for name, run in shift_paired.phases(points)]
+    assert got == [("prose", 2), ("math", 1), ("prose (again)", 3)]
