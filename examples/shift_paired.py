@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 from pathlib import Path
+
+from adaflash_vllm.bench.paired import mean_ci
 
 
 def load_points(out_dir: Path, config: str) -> list[dict]:
@@ -44,13 +45,7 @@ def weighted_tau(points: list[dict]) -> float:
 
 def paired_ratio(base: list[dict], other: list[dict]) -> tuple[float, float]:
     """Mean of other/base per window and its 95% half-interval (normal)."""
-    ratios = [q["tau"] / p["tau"] for p, q in zip(base, other, strict=True)]
-    n = len(ratios)
-    mean = sum(ratios) / n
-    if n < 2:
-        return mean, float("nan")
-    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1))
-    return mean, 1.96 * sd / math.sqrt(n)
+    return mean_ci([q["tau"] / p["tau"] for p, q in zip(base, other, strict=True)])
 
 
 def main() -> None:
