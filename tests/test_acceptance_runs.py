@@ -39,3 +39,27 @@ def test_report_conditions_on_the_previous_round():
     # the constant median (0) misses every 7 and 1; by previous round, only the 1s
     assert r["mae_constant_median"] == pytest.approx((10 * 7 + 10) / 50 / 7)
     assert r["mae_previous_round_median"] == pytest.approx(10 / 50 / 7)
+
+
+def test_two_rounds_forecast_scores_what_the_round_before_adds():
+    # After a 0: a 7 follows when the round before the 0 was a 7, else a 0.
+    # The previous round alone cannot tell these apart; the two rounds can.
+    alternating, zeros = [7, 0, 7, 0, 7, 0, 7], [0] * 7
+    chains = [alternating, zeros, zeros, alternating]  # each half has both
+    r = runs.history_forecasts(chains, 7)
+    assert r["previous_two_rounds"]["in_sample"] == 0.0
+    assert r["previous_two_rounds"]["two_fold"] == 0.0
+    assert r["previous_round"]["in_sample"] > 0.1
+    # the previous round's cells: after a 7 always a 0 (exact); after a 0 the
+    # median of {7 x 6, 0 x 12} is 0, missing the three 7s per alternating chain
+    rows = runs.history_rows(chains)
+    assert len(rows) == 24
+    assert r["previous_round"]["in_sample"] == pytest.approx(6 * 7 / 24 / 7)
+
+
+def test_two_fold_forecast_falls_back_where_a_half_lacks_a_cell():
+    chains = [[7, 7, 7], [0, 0, 0]]  # each half has only one kind of history
+    r = runs.history_forecasts(chains, 7)
+    assert r["previous_round"]["in_sample"] == 0.0
+    # half 0 (the 7s) predicts 7 for half 1's unseen cells: miss by 7, and back
+    assert r["previous_round"]["two_fold"] == pytest.approx(1.0)

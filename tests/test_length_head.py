@@ -27,6 +27,7 @@ from adaflash_vllm.training.features import TargetModel
 from adaflash_vllm.training.head import (
     budget_recall,
     evaluate_length_head,
+    expected_median_error,
     head_loss,
     median_ratio,
     survival_nll,
@@ -75,8 +76,11 @@ def test_head_beats_constant_predictor_on_held_out_rounds(drafter_with_head):
     assert cal["mae_mean"] < cal["mae_constant_mean"], cal
     if drafter.length_head.kind == "survival":
         assert cal["mae"] <= cal["mae_constant"], cal
+        assert 0 <= cal["mae_expected"] <= 1, cal
+        assert 0 <= cal["served"]["mae_expected"] <= 1, cal
     else:
         assert cal["mae"] == cal["mae_mean"], cal
+        assert "mae_expected" not in cal, cal
     assert cal["mae_constant"] <= cal["mae_constant_mean"] + 1e-6, cal
     assert 0 <= cal["ece"] <= 1
     assert set(cal["budget_recall"]) == {"0.15", "0.3", "0.5"}
@@ -256,6 +260,33 @@ def test_median_ratio_counts_the_slots_that_survive_with_even_odds():
     valid = torch.tensor([[4, 4, 2]])
     got = median_ratio(s, valid)
     assert torch.allclose(got, torch.tensor([[3 / 4, 0.0, 1.0]]))
+
+
+def test_expected_median_error_is_what_the_forecast_distribution_expects():
+    """E|A - median| / n under the predicted distribution: an all-or-nothing block
+    accepted 80% of the time expects 0.2 (as calibration's example realises);
+    a certain length expects 0; two valid slots of four with P(A >= 1) 0.9,
+    P(A >= 2) 0.6: median 2, E = 0.1 * 2 + 0.3 * 1 = 0.5 over 2 slots."""
+    s = torch.tensor(
+        [[[0.8, 0.8, 0.8, 0.8], [1.0, 1.0, 0.0, 0.0], [0.9, 0.6, 0.55, 0.5]]]
+    )
+    valid = torch.tensor([[4, 4, 2]])
+    got = expected_median_error(s, valid)
+    assert torch.allclose(got, torch.tensor([[0.2, 0.0, 0.25]]))
+    # a random survival curve, against lengths sampled from it slot by slot
+    gen = torch.Generator().manual_seed(0)
+    g = torch.rand(4, generator=gen)  # P(slot accepted | the ones before were)
+    curve = g.cumprod(0).view(1, 1, 4)
+    n = 200_000
+    alive = torch.ones(n, dtype=torch.bool)
+    a = torch.zeros(n)
+    for j in range(4):
+        alive &= torch.rand(n, generator=gen) < g[j]
+        a += alive.float()
+    m = median_ratio(curve, torch.tensor([[4]])).item() * 4
+    sampled = (a - m).abs().mean().item() / 4
+    want = expected_median_error(curve, torch.tensor([[4]])).item()
+    assert sampled == pytest.approx(want, abs=0.005)
 
 
 def test_calibration_scores_the_median_under_absolute_error():

@@ -110,6 +110,26 @@ def median_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Ten
     return m.float() / valid_slots.float().clamp_min(1)
 
 
+def expected_median_error(
+    survival: torch.Tensor, valid_slots: torch.Tensor
+) -> torch.Tensor:
+    """The absolute error of each block's median forecast (`median_ratio`) that
+    its own predicted distribution expects, E|A - m| / n [B, M], from s [B, M, K]
+    (n valid slots). Where the head is calibrated this is the MAE the head's
+    information allows: a realised MAE near it says a sharper forecast needs
+    new inputs, not a better fit of these."""
+    k = survival.shape[-1]
+    n = valid_slots.unsqueeze(-1)
+    inside = torch.arange(k, device=survival.device) < n
+    s = (survival * inside).float()
+    ones = s.new_ones(*s.shape[:-1], 1)
+    at_least = torch.cat([ones, s, torch.zeros_like(ones)], -1)  # P(A >= j), j=0..K+1
+    pmf = at_least[..., :-1] - at_least[..., 1:]  # P(A = j), j = 0..K
+    m = ((survival >= 0.5) & inside).sum(-1, keepdim=True)
+    j = torch.arange(k + 1, device=survival.device)
+    return (pmf * (j - m).abs()).sum(-1) / valid_slots.float().clamp_min(1)
+
+
 class HeadLoss(NamedTuple):
     loss: torch.Tensor  # the training loss over the valid blocks
     mse: float  # of the predicted mean ratio, for logs
@@ -393,11 +413,19 @@ def evaluate_length_head(
     `mae` scores a survival head's median forecast (a ratio head's mean, the only
     forecast it makes), `mae_mean` the mean, against the best constant
     (`mae_constant`, the realised median) and the realised mean; ECE; and the
-    budget recall. `served` is the same calibration on the rounds of one served
-    chain per sequence (all K verified), the blocks serving drafts: a head with
-    history reads each one's previous round there (and none at every position)."""
-    preds, medians, reals, head_s, conf_s, accs = [], [], [], [], [], []
-    served: dict[str, list[torch.Tensor]] = {"pred": [], "median": [], "real": []}
+    budget recall; for a survival head also `mae_expected`, the MAE its own
+    predicted distributions expect of its median forecast
+    (`expected_median_error`). `served` is the same calibration on the rounds of
+    one served chain per sequence (all K verified), the blocks serving drafts: a
+    head with history reads each one's previous round there (and none at every
+    position)."""
+    preds, medians, expected, reals, head_s, conf_s, accs = [], [], [], [], [], [], []
+    served: dict[str, list[torch.Tensor]] = {
+        "pred": [],
+        "median": [],
+        "expected": [],
+        "real": [],
+    }
     for i in range(0, len(seqs), batch_size):
         hidden, confidence, accepted, valid_slots, mask = _blocks(
             drafter, target, seqs[i : i + batch_size], num_drafts, None, None
@@ -413,6 +441,7 @@ def evaluate_length_head(
             survival = geometric_survival(head.ratio(hidden), num_drafts)
         if head.kind == "survival":  # a ratio head predicts only a mean
             medians.append(median_ratio(survival, valid_slots)[keep])
+            expected.append(expected_median_error(survival, valid_slots)[keep])
         head_s.append(survival[full])
         conf_s.append(confidence[..., 0].exp().cumprod(-1)[full])
         accs.append(accepted[full])
@@ -421,6 +450,8 @@ def evaluate_length_head(
         return calibration(torch.empty(0), torch.empty(0))
     median = torch.cat(medians) if medians else None
     result = calibration(torch.cat(preds), torch.cat(reals), median=median)
+    if expected:
+        result["mae_expected"] = torch.cat(expected).mean().item()
     acc = torch.cat(accs)
     result["budget_recall"] = budget_recall(torch.cat(head_s), acc)
     result["budget_recall_confidence"] = budget_recall(torch.cat(conf_s), acc)
@@ -429,6 +460,8 @@ def evaluate_length_head(
         torch.cat(served["real"]),
         median=torch.cat(served["median"]) if served["median"] else None,
     )
+    if served["expected"]:
+        result["served"]["mae_expected"] = torch.cat(served["expected"]).mean().item()
     return result
 
 
@@ -445,3 +478,4 @@ def _served_round(head, served, hidden, confidence, accepted, valid_slots, mask)
     survival = head.survival(hidden[b, m], confidence[b, m], history)
     served["pred"].append(_survival_ratio(survival, valid))
     served["median"].append(median_ratio(survival, valid))
+    served["expected"].append(expected_median_error(survival, valid))
