@@ -49,6 +49,15 @@ def test_traced_rounds_are_read_back_with_their_place_in_a_run(tmp_path, monkeyp
     assert [r[4] for r in got] == places
     assert {r[2] / r[3] for r in got if r[1]} == {1.0}
     assert False in modes and True in modes  # both modes were traced
+    # each decision is followed by its gate's state after it
+    lines = Path(f"{prefix}.{os.getpid()}").read_text().splitlines()
+    states = [line.split() for line in lines if line.startswith("G ")]
+    assert len(states) == len([line for line in lines if line.startswith("S ")])
+    assert [int(g[2]) for g in states] == list(range(1, 61))  # the gate's steps
+    last = states[-1]
+    assert float(last[5]) == 1.0 and float(last[6]) == 2.0  # drafting, skipping
+    assert states[0][5] == states[0][6] == "-"  # nothing measured yet
+    assert int(last[4]) >= 0
 
 
 def test_round_positions_are_split_as_asked():

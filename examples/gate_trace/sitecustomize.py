@@ -7,7 +7,11 @@ PREFIX.<pid> (`vllm serve` engine cores included; other processes write nothing)
         python examples/compare_served.py --configs plain,cost_aware ...
     python examples/gate_rounds.py /tmp/gate
 
-Lines: `S time num_reqs drafted following exploring held` for each decision and
+Lines: `S time num_reqs drafted following exploring held` for each decision,
+then `G num_reqs step model_ratio passed_checks draft_rate skip_rate`: the state
+of that batch size's gate after it (its own step count, the cost model's
+estimate of drafting over plain, the due checks of skipping it passed so far,
+and the two modes' measured tokens per ms; `-` where not yet known), and
 `R time drafted tokens ms` for each round credited to the gate (the round of the
 decision before it). A measurement aid: it wraps two methods of
 `BatchSizeGates` at interpreter start and is never imported by the package.
@@ -39,6 +43,9 @@ def _install(prefix: str) -> None:
         out().write(
             f"S {time.perf_counter():.6f} {num_reqs} {int(draft)} "
             f"{int(g.drafting)} {int(exploring)} {int(g.held)}\n"
+            f"G {num_reqs} {g.step} {_num(g.model_ratio)} "
+            f"{sum(g.passed_checks.values())} {_num(g.draft_rate.ratio())} "
+            f"{_num(g.skip_rate.ratio())}\n"
         )
         return draft
 
@@ -50,6 +57,10 @@ def _install(prefix: str) -> None:
 
     gates.should_draft = traced_should_draft
     gates.record_round = traced_record_round
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
 
 if _PREFIX:
