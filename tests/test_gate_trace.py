@@ -7,6 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pytest
 from adaflash_vllm.proposers.draft_gate import BatchSizeGates
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -66,3 +67,27 @@ def test_round_positions_are_split_as_asked():
     assert reader._position_span("2-5") == ("2-5", 2, 5)
     name, lo, hi = reader._position_span("11+")
     assert (name, lo) == ("11+", 11) and hi > 10**6
+
+
+def test_closed_windows_are_split_where_the_batch_refills(tmp_path):
+    reader = _load("gate_rounds", EXAMPLES / "gate_rounds.py")
+    # two windows of 4 requests: the first drafts and drains to 1 request,
+    # the second runs all 4 to the end; times in seconds, 10 ms a step
+    decisions = [(4, 1), (4, 1), (2, 1), (1, 0), (4, 0), (4, 0), (4, 0)]
+    path = tmp_path / "gate.1"
+    path.write_text(
+        "".join(
+            f"S {0.01 * i:.6f} {n} {d} {d} 0 0\nG {n} {i} - 0 - -\n"
+            for i, (n, d) in enumerate(decisions)
+        )
+    )
+    got = reader.windows(str(path))
+    assert [w["steps"] for w in got] == [4, 3]
+    assert [w["drafted"] for w in got] == [3, 0]
+    assert [w["full_steps"] for w in got] == [2, 3]
+    assert [w["below_steps"] for w in got] == [2, 0]
+    assert [w["small_steps"] for w in got] == [2, 0]
+    # a step's time runs to the window's next decision (the last one has none)
+    assert got[0]["full_ms"] == pytest.approx(20.0)
+    assert got[0]["below_ms"] == pytest.approx(10.0)
+    assert got[1]["full_ms"] == pytest.approx(20.0)
