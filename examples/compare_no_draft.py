@@ -69,7 +69,9 @@ _ADAFLASH_VARIANTS = {
     "longruns": {},  # drafting runs that lose end as before run 37
     "before37": {},  # both of run 37's changes off
     "retireclose": {},  # retiring once skipping leads at all (_GATE_SETTINGS)
+    "alt": {},  # the drafter folder $ADAFLASH_ALT_DRAFTER (e.g. a retrained head)
 }
+ALT_DRAFTER_ENV = "ADAFLASH_ALT_DRAFTER"
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
     "z2": {"switch_z": 2.0},
@@ -112,6 +114,8 @@ def _spec(config: str) -> dict | None:
         spec["adaflash"] = {"length": {"mode": "fixed"}}
     elif name == "adaflash":
         length = {"mode": "cost_aware"}
+        if "alt" in _variant_parts(k):
+            spec["model"] = _alt_drafter()
         for part in _variant_parts(k):
             if _adaflash_k(part):
                 spec["num_speculative_tokens"] = _adaflash_k(part)
@@ -119,6 +123,17 @@ def _spec(config: str) -> dict | None:
                 length.update(_ADAFLASH_VARIANTS[part])
         spec["adaflash"] = {"length": length}
     return spec
+
+
+def _alt_drafter() -> str:
+    """The `adaflash:alt` drafter folder, from $ADAFLASH_ALT_DRAFTER."""
+    folder = os.environ.get(ALT_DRAFTER_ENV)
+    if not folder or not (Path(folder) / "config.json").is_file():
+        raise ValueError(
+            f"adaflash:alt needs {ALT_DRAFTER_ENV} set to a drafter folder "
+            f"(with config.json), got {folder!r}"
+        )
+    return folder
 
 
 def _variant_parts(variant: str) -> list[str]:
