@@ -44,6 +44,7 @@ import os
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parent / "demo"
+ALT_DRAFTER_ENV = "ADAFLASH_ALT_DRAFTER"  # the `adaflash:alt` drafter folder
 
 
 # adaflash:VARIANT: the demo's cost_aware configuration with one length key changed
@@ -71,7 +72,6 @@ _ADAFLASH_VARIANTS = {
     "retireclose": {},  # retiring once skipping leads at all (_GATE_SETTINGS)
     "alt": {},  # the drafter folder $ADAFLASH_ALT_DRAFTER (e.g. a retrained head)
 }
-ALT_DRAFTER_ENV = "ADAFLASH_ALT_DRAFTER"
 # adaflash:VARIANT: draft-gate parameters set on the running engine
 _GATE_SETTINGS = {
     "z2": {"switch_z": 2.0},
