@@ -76,11 +76,16 @@ def survival_nll(
     ).sum(-1)
 
 
+def _valid_slots_mask(survival: torch.Tensor, valid_slots: torch.Tensor):
+    """[B, M, K]: which of each block's K slots are valid (the first n)."""
+    k = torch.arange(survival.shape[-1], device=survival.device)
+    return k < valid_slots.unsqueeze(-1)
+
+
 def _survival_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Tensor:
     """Expected accepted fraction of each block's valid slots [B, M] from s
     [B, M, K] (a block cut short by the sequence end has fewer than K)."""
-    k = torch.arange(survival.shape[-1], device=survival.device)
-    inside = (k < valid_slots.unsqueeze(-1)).float()
+    inside = _valid_slots_mask(survival, valid_slots).float()
     return (survival * inside).sum(-1) / valid_slots.float().clamp_min(1)
 
 
@@ -96,6 +101,11 @@ def predicted_ratio(
     return head.ratio(hidden)
 
 
+def _median_length(survival: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """[B, M]: each block's median accepted length (`median_ratio`), in slots."""
+    return ((survival >= 0.5) & inside).sum(-1)
+
+
 def median_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Tensor:
     """The median of each block's predicted accepted length, as a fraction of its
     valid slots [B, M], from s [B, M, K] with s_j = P(at least j + 1 accepted).
@@ -104,9 +114,7 @@ def median_ratio(survival: torch.Tensor, valid_slots: torch.Tensor) -> torch.Ten
     1/2 too): the count of valid slots whose survival is at least 1/2, since s is
     non-increasing. Under absolute error the median is the best point forecast
     (the mean is best under squared error), so MAE is scored on it."""
-    k = torch.arange(survival.shape[-1], device=survival.device)
-    inside = k < valid_slots.unsqueeze(-1)
-    m = ((survival >= 0.5) & inside).sum(-1)
+    m = _median_length(survival, _valid_slots_mask(survival, valid_slots))
     return m.float() / valid_slots.float().clamp_min(1)
 
 
@@ -118,15 +126,13 @@ def expected_median_error(
     (n valid slots). Where the head is calibrated this is the MAE the head's
     information allows: a realised MAE near it says a sharper forecast needs
     new inputs, not a better fit of these."""
-    k = survival.shape[-1]
-    n = valid_slots.unsqueeze(-1)
-    inside = torch.arange(k, device=survival.device) < n
+    inside = _valid_slots_mask(survival, valid_slots)
     s = (survival * inside).float()
     ones = s.new_ones(*s.shape[:-1], 1)
     at_least = torch.cat([ones, s, torch.zeros_like(ones)], -1)  # P(A >= j), j=0..K+1
     pmf = at_least[..., :-1] - at_least[..., 1:]  # P(A = j), j = 0..K
-    m = ((survival >= 0.5) & inside).sum(-1, keepdim=True)
-    j = torch.arange(k + 1, device=survival.device)
+    m = _median_length(survival, inside).unsqueeze(-1)
+    j = torch.arange(survival.shape[-1] + 1, device=survival.device)
     return (pmf * (j - m).abs()).sum(-1) / valid_slots.float().clamp_min(1)
 
 
