@@ -109,11 +109,8 @@ def median_length(xs: list[int], k: int) -> int:
 
 def report(pairs: list[tuple[int, int]], k: int) -> dict:
     out = {"rounds": len(pairs), "survival_after": {}}
-    groups = {}
     for name, lo, hi in (("any", 0, k), *_GROUPS):
         xs = [a for pa, a in pairs if lo <= pa <= hi]
-        if name != "any":
-            groups[name] = xs
         out["survival_after"][name] = {
             "rounds": len(xs),
             "S": [
@@ -121,14 +118,9 @@ def report(pairs: list[tuple[int, int]], k: int) -> dict:
                 for j in range(1, k + 1)
             ],
         }
-    allx = [a for _, a in pairs]
-    m = median_length(allx, k)
-    out["mae_constant_median"] = sum(abs(a - m) for a in allx) / len(allx) / k
-    out["mae_previous_round_median"] = (
-        sum(abs(a - median_length(xs, k)) for xs in groups.values() if xs for a in xs)
-        / len(allx)
-        / k
-    )
+    rows = [(a, group(pa)) for pa, a in pairs]  # as history_rows, one round back
+    for name in ("constant", "previous_round"):  # in-sample
+        out[f"mae_{name}_median"] = grouped_median_mae(rows, rows, _FORECASTS[name], k)
     return out
 
 
