@@ -114,11 +114,11 @@ def _spec(config: str) -> dict | None:
         spec["adaflash"] = {"length": {"mode": "fixed"}}
     elif name == "adaflash":
         length = {"mode": "cost_aware"}
-        if "alt" in _variant_parts(k):
-            spec["model"] = _alt_drafter()
         for part in _variant_parts(k):
             if _adaflash_k(part):
                 spec["num_speculative_tokens"] = _adaflash_k(part)
+            elif part == "alt":
+                spec["model"] = _alt_drafter()
             else:
                 length.update(_ADAFLASH_VARIANTS[part])
         spec["adaflash"] = {"length": length}
