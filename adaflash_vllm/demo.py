@@ -44,8 +44,18 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--configs",
-        default="plain,dflash,adaflash",
-        help="configurations to compare (see `adaflash bench --help`)",
+        default="plain,dflash,adaflash,plain",
+        help="configurations to compare (see `adaflash bench --help`); one "
+        "named again runs again (plain before and after the others: the ratios "
+        "are against their mean, and the two plain runs show the drift)",
+    )
+    p.add_argument(
+        "--closed-windows",
+        action="store_true",
+        help="serve each window of requests as one closed batch (the demo "
+        "up to run 39); default: the stream queued whole, a "
+        "finished request replaced at once, as `vllm serve` does for WINDOW "
+        "clients",
     )
     p.add_argument("--target", default=str(DEMO_DIR / "target"))
     p.add_argument("--drafter", default=str(DEMO_DIR / "drafter"))
@@ -84,12 +94,20 @@ def run_demo(args: argparse.Namespace) -> dict:
         for n in args.phases.split(",")
         if n
     ]
-    workload = Workload("shift", phases, window=window, max_tokens=max_tokens)
+    workload = Workload(
+        "shift",
+        phases,
+        window=window,
+        max_tokens=max_tokens,
+        refill=not args.closed_windows,
+    )
     configs = [c for c in args.configs.split(",") if c]
     print(
         f"AdaFlash demo: {len(phases)} phases x {per_phase} requests "
         f"({', '.join(p.name for p in phases)}), window {window}, "
-        f"{max_tokens} tokens each; configs: {', '.join(configs)}",
+        f"{max_tokens} tokens each, "
+        f"{'closed windows' if args.closed_windows else 'refilled'}; "
+        f"configs: {', '.join(configs)}",
         flush=True,
     )
     t0 = time.perf_counter()

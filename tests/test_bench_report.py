@@ -227,3 +227,43 @@ def test_sweep_table_shows_speculating_steps():
     table, summary = sweep_table([_result("adaflash", [pt])])
     assert "| 1.10 | 1.20 | 3.00 / 4.50 |" in table
     assert summary["adaflash"]["64"]["tau_speculative"] == 3.0
+
+
+def _tok_s_pt(phase, tok_s):
+    return _pt(phase, 1.0) | {"wall_s": 40.0 / tok_s, "tok_s": tok_s}
+
+
+def test_plain_run_twice_is_the_mean_baseline_and_shows_its_drift():
+    before = _result("plain", [_tok_s_pt("prose", 90.0)])
+    after = _result("plain#2", [_tok_s_pt("prose", 110.0)])
+    ada = _result("adaflash", [_tok_s_pt("prose", 120.0)])
+    table, summary = shift_table([before, ada, after])
+    assert summary["adaflash"]["prose"]["speedup"] == 120.0 / 100.0
+    assert summary["plain"]["prose"]["speedup"] == 0.9
+    assert summary["plain#2"]["prose"]["speedup"] == 1.1
+    assert "| plain#2 | prose | 4 | 110.0 | 1.10x |" in table
+
+
+def test_sweep_baseline_is_the_mean_of_plain_runs():
+    from adaflash_vllm.bench.report import sweep_table
+
+    runs = [
+        _result("plain", [{"key": 8, "tok_s": 90.0}]),
+        _result("adaflash", [{"key": 8, "tok_s": 95.0}]),
+        _result("plain#2", [{"key": 8, "tok_s": 110.0}]),
+    ]
+    _, summary = sweep_table(runs)
+    assert summary["adaflash"]["8"]["speedup"] == 0.95
+
+
+def test_a_configuration_named_again_runs_again_numbered():
+    from adaflash_vllm.bench.configs import BenchConfig
+    from adaflash_vllm.bench.harness import numbered
+
+    names = [
+        c.name
+        for c in numbered(
+            [BenchConfig(n, None) for n in ("plain", "dflash", "plain", "plain")]
+        )
+    ]
+    assert names == ["plain", "dflash", "plain#2", "plain#3"]

@@ -63,6 +63,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=8,
         help="shift: requests per window (= engine concurrency)",
     )
+    p.add_argument(
+        "--refill",
+        action="store_true",
+        help="shift, offline driver: queue the whole stream and keep WINDOW "
+        "requests in flight, a finished one replaced at once (as served "
+        "traffic); default: each window one closed batch",
+    )
     p.add_argument("--concurrency", default="1,4,16,32,64", help="sweep levels")
     p.add_argument("--num-prompts", type=int, default=64, help="sweep prompt pool")
     p.add_argument(
@@ -101,6 +108,11 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
             f"--requests-per-slot must be >= 1, got {args.requests_per_slot}"
         )
     check_output_len_spread(args.output_len_spread)  # before any engine starts
+    if args.refill and (args.workload != "shift" or args.driver == "serve"):
+        raise AdaFlashConfigError(
+            "--refill is for `bench shift` with the offline driver (a served "
+            "sweep's clients already keep each level's requests in flight)"
+        )
     fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
     if args.workload == "shift":
         specs = [parse_phase(n, args.per_phase) for n in args.phases.split(",") if n]
@@ -114,6 +126,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
             window=args.window,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
+            refill=args.refill,
         )
     levels = tuple(int(c) for c in args.concurrency.split(",") if c)
     return Workload(

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ def engine_kwargs(
     workload: Workload, max_model_len: int = MAX_MODEL_LEN
 ) -> dict[str, Any]:
     seqs = max(workload.concurrencies) if workload.kind == "sweep" else workload.window
-    return {
+    kwargs = {
         "dtype": "float32",
         "max_model_len": max_model_len,
         "enforce_eager": True,
@@ -56,6 +56,9 @@ def engine_kwargs(
         "max_num_seqs": seqs,
         "disable_log_stats": False,
     }
+    if workload.refill:  # each request's drafts, for tau per phase (refill.py)
+        kwargs["per_request_spec_decode_metrics"] = "summary"
+    return kwargs
 
 
 def pinned(cmd: list[str], cores: str | None) -> list[str]:
@@ -297,6 +300,19 @@ def run_sweep_interleaved(
     return [results[c.name] for c in configs]
 
 
+def numbered(configs: list[BenchConfig]) -> list[BenchConfig]:
+    """A configuration named again runs again as NAME#2, NAME#3, ... (e.g. plain
+    before and after the others, to see how far the machine drifted)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in configs:
+        seen[c.name] = seen.get(c.name, 0) + 1
+        out.append(
+            c if seen[c.name] == 1 else replace(c, name=f"{c.name}#{seen[c.name]}")
+        )
+    return out
+
+
 def run_benchmark(
     *,
     setup: BenchSetup,
@@ -315,7 +331,7 @@ def run_benchmark(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    configs = [build_config(n, setup) for n in config_names]  # fail fast on names
+    configs = numbered([build_config(n, setup) for n in config_names])  # fail fast
     configs = [with_fresh_online(c, out_dir / f"{c.name}-online") for c in configs]
     engine = engine_kwargs(workload)
     if driver == "serve" and workload.kind == "sweep":

@@ -177,6 +177,105 @@ def run_shift(
         progress(window_line(key, phase, tokens / wall, summary, extra))
 
 
+def run_shift_refilled(
+    llm,
+    workload: dict,
+    result: dict,
+    save: Callable[[], None],
+    progress: Callable[[str], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """The shift stream queued whole, `window` requests in flight (the engine's
+    `max_num_seqs`), each finished request replaced by the next: the windows,
+    tok/s, tau and verify length of `RefillWindows` (the engine needs
+    `per_request_spec_decode_metrics`, which `engine_kwargs` sets). Per-position
+    acceptance, the gate's share and swaps are the engine's counters between the
+    window before it (of its phase; for a phase's first, of any phase) coming out
+    and it coming out: engine-wide, so near a phase boundary they mix both
+    phases' requests. Every second between two steps counts, reading counters
+    included: in a multiprocess engine the engine core keeps stepping meanwhile."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from adaflash_vllm.bench.refill import RefillWindows
+
+    params = SamplingParams(
+        temperature=workload["temperature"],
+        max_tokens=workload["max_tokens"],
+        ignore_eos=True,
+        seed=0,
+        output_kind=RequestOutputKind.DELTA,  # each step's new tokens
+    )
+    names = [phase["name"] for phase in workload["phases"]]
+    phase_of, prompts = [], []
+    for p, phase in enumerate(workload["phases"]):
+        phase_of += [p] * len(phase["prompts"])
+        prompts += phase["prompts"]
+    windows = RefillWindows(phase_of, workload["window"])
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    since = dict.fromkeys(range(len(names)), read_counters(llm))
+    key, last = 0, clock()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = clock()
+        out = windows.add_step(now - last, [step_output(o) for o in outs])
+        last = now
+        for w in out:
+            after = read_counters(llm)
+            before, since[w.phase] = since[w.phase], after
+            for later in range(w.phase + 1, len(names)):
+                if windows.finished[later] == 0 and windows.open[later] is None:
+                    since[later] = after  # not started: its span starts here
+            summary = {
+                "tau": w.tau,
+                "verify_len": w.verify_len,
+                "rounds": w.decode_rows,
+                "accept_per_pos": spec_summary(counter_delta(before, after))[
+                    "accept_per_pos"
+                ],
+                "tau_speculative": w.tau_speculative,
+                "verify_len_speculative": w.verify_len_speculative,
+            }
+            extra = swap_extra(before, after) | gate_extra(before, after)
+            add_point(
+                result,
+                Point(
+                    key=key,
+                    phase=names[w.phase],
+                    requests=w.requests,
+                    output_tokens=w.tokens,
+                    wall_s=w.seconds,
+                    tok_s=w.tok_s,
+                    tok_s_runs=[w.tok_s],
+                    extra=extra,
+                    **summary,
+                ),
+            )
+            key += 1
+            save()
+            progress(window_line(key - 1, names[w.phase], w.tok_s, summary, extra))
+
+
+def step_output(out) -> tuple:
+    """(request index, new tokens, finished, its drafts when it finished) of one
+    request's output of a step (DELTA outputs; request ids are the indexes)."""
+    from adaflash_vllm.bench.refill import Drafts
+
+    completion = out.outputs[0]
+    drafts = None
+    metrics = completion.spec_decode_metrics if out.finished else None
+    if metrics is not None:
+        drafts = Drafts(
+            drafted=metrics.num_draft_tokens,
+            rounds=sum(metrics.histogram),
+            accepted=sum(j * n for j, n in enumerate(metrics.histogram)),
+        )
+    index = int(out.request_id.split("-")[0])  # vLLM may add "-suffix"
+    return index, len(completion.token_ids), out.finished, drafts
+
+
 def shift_windows(workload: dict) -> Iterator[tuple[int, str, list[str]]]:
     """(window index, phase name, prompts) of the shift stream, in serving order."""
     key, size = 0, workload["window"]
@@ -259,12 +358,16 @@ def main(job_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = job["config"]["speculative_config"]
-    llm = LLM(model=job["target"], speculative_config=spec, **job["engine"])
+    engine = dict(job["engine"])
+    if spec is None:  # vLLM refuses per-request draft counts without drafts
+        engine.pop("per_request_spec_decode_metrics", None)
+    llm = LLM(model=job["target"], speculative_config=spec, **engine)
     try:
         warm = workload["phases"][0]["prompts"][: job.get("warmup", 4)]
         llm.generate(warm, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         if workload["kind"] == "shift":
-            run_shift(llm, workload, result, save, progress)
+            run = run_shift_refilled if workload.get("refill") else run_shift
+            run(llm, workload, result, save, progress)
         else:
             run_sweep_offline(
                 llm, workload, result, save, progress, job.get("repeats", 1)

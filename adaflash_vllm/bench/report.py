@@ -16,6 +16,25 @@ def _points(result: dict) -> list[dict]:
     return result.get("points", [])
 
 
+def base_name(name: str) -> str:
+    """The configuration a run is of: `plain#2` (plain's second run) -> plain."""
+    return name.split("#")[0]
+
+
+def plain_runs(results: list[dict]) -> list[dict]:
+    """Every run of `plain` (a stream may run it before and after the others)."""
+    return [r for r in results if base_name(r["config"]["name"]) == "plain"]
+
+
+def mean_by_key(values: list[dict]) -> dict:
+    """{key: mean} over the dicts that have the key (runs of one baseline)."""
+    keys = {k for v in values for k in v}
+    return {
+        k: sum(v[k] for v in values if k in v) / sum(1 for v in values if k in v)
+        for k in keys
+    }
+
+
 def phase_rollup(result: dict) -> dict[str, dict[str, float]]:
     """Per phase of a shift stream: tok/s and mean tau over the phase, verify
     length, tau and tok/s over the phase's last quarter (after adaptation), and
@@ -152,11 +171,17 @@ def neighbour_itl_ratios(pts: list[dict]) -> list[float]:
 
 
 def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
-    """Per config and phase; ratios against `plain` and, when the run has one,
-    against the config named `static` (the same drafter without online updates)."""
-    base = next((r for r in results if r["config"]["name"] == "plain"), None)
+    """Per config and phase; ratios against `plain` (the mean of its runs, when
+    it ran more than once: then each plain run's own ratio shows the drift) and,
+    when the run has one, against the config named `static` (the same drafter
+    without online updates)."""
     static = next((r for r in results if r["config"]["name"] == "static"), None)
-    base_roll = phase_rollup(base) if base else {}
+    base_tok_s = mean_by_key(
+        [
+            {phase: v["tok_s"] for phase, v in phase_rollup(r).items()}
+            for r in plain_runs(results)
+        ]
+    )
     static_roll = phase_rollup(static) if static else {}
     lines = [
         "| config | phase | requests | tok/s | speedup vs plain | vs static | "
@@ -169,7 +194,7 @@ def shift_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
         name = r["config"]["name"]
         speculative = r["config"].get("speculative_config") is not None
         for phase, v in phase_rollup(r).items():
-            ref = base_roll.get(phase, {}).get("tok_s")
+            ref = base_tok_s.get(phase)
             st = static_roll.get(phase, {}) if speculative else {}
             row = {
                 **v,
@@ -256,8 +281,7 @@ def training_table(results: list[dict]) -> list[str]:
 
 
 def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
-    base = next((r for r in results if r["config"]["name"] == "plain"), None)
-    base_by_c = {p["key"]: p["tok_s"] for p in _points(base)} if base else {}
+    base_by_c = plain_tok_s_by_level(results)
     lines = [
         "| config | C | tok/s (min-max) | speedup vs plain | tau | verify len | "
         "tau / verify len, speculating steps | TTFT p50 ms | TPOT p50 ms | failed |",
@@ -290,6 +314,13 @@ def sweep_table(results: list[dict]) -> tuple[str, dict[str, Any]]:
         if r.get("status") != "ok":
             lines.append(f"| {name} | (failed: {r.get('error')}) | | | | | | | | |")
     return "\n".join(lines), summary
+
+
+def plain_tok_s_by_level(results: list[dict]) -> dict:
+    """{concurrency: tok/s} of plain, the mean of its runs."""
+    return mean_by_key(
+        [{p["key"]: p["tok_s"] for p in _points(r)} for r in plain_runs(results)]
+    )
 
 
 def _fmt(v: float | None, suffix: str = "", digits: int = 2) -> str:
@@ -378,8 +409,7 @@ def plot_sweep(results: list[dict], path: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = next((r for r in results if r["config"]["name"] == "plain"), None)
-    base_by_c = {p["key"]: p["tok_s"] for p in _points(base)} if base else {}
+    base_by_c = plain_tok_s_by_level(results)
     fig, (ax_s, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:
         pts = [p for p in _points(r) if p["key"] in base_by_c]

@@ -64,6 +64,11 @@ class Workload:
     # and then a batch without drafts runs in lockstep (every request starts and
     # ends at the same step), which no served traffic does
     output_len_spread: float = 0.0
+    # shift: queue the whole stream and keep `window` requests in flight, each
+    # finished one replaced from the queue (`bench/refill.py`); False: each
+    # window of `window` requests is one closed batch, and the next starts when
+    # its last request ends
+    refill: bool = False
 
     @property
     def name(self) -> str:
