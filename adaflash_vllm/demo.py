@@ -18,7 +18,12 @@ from pathlib import Path
 
 from adaflash_vllm.bench.configs import BenchSetup, check_paths
 from adaflash_vllm.bench.harness import MAX_MODEL_LEN, run_benchmark
-from adaflash_vllm.bench.workloads import Workload, load_phase
+from adaflash_vllm.bench.workloads import (
+    Workload,
+    check_output_len_spread,
+    load_phase,
+    longest_output,
+)
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "examples" / "demo"
 SIZES = {  # per_phase, window, max_tokens
@@ -57,6 +62,15 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         "finished request replaced at once, as `vllm serve` does for WINDOW "
         "clients",
     )
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.5,
+        help="each answer's length drawn (seeded, the same for every "
+        "configuration) from max tokens * [1 - S, 1 + S], as answers that end "
+        "at EOS vary; 0: every answer max tokens long (the demo up to run 39), "
+        "so plain decoding runs each window in lockstep",
+    )
     p.add_argument("--target", default=str(DEMO_DIR / "target"))
     p.add_argument("--drafter", default=str(DEMO_DIR / "drafter"))
     p.add_argument(
@@ -79,6 +93,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     per_phase, window, max_tokens = SIZES[args.size]
+    check_output_len_spread(args.output_len_spread)
     setup = BenchSetup(
         target=args.target,
         drafter=args.drafter,
@@ -89,7 +104,11 @@ def run_demo(args: argparse.Namespace) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     phases = [
         load_phase(
-            n, tokenizer, count=per_phase, max_prompt_tokens=MAX_MODEL_LEN - max_tokens
+            n,
+            tokenizer,
+            count=per_phase,
+            max_prompt_tokens=MAX_MODEL_LEN
+            - longest_output(max_tokens, args.output_len_spread),
         )
         for n in args.phases.split(",")
         if n
@@ -100,12 +119,15 @@ def run_demo(args: argparse.Namespace) -> dict:
         window=window,
         max_tokens=max_tokens,
         refill=not args.closed_windows,
+        output_len_spread=args.output_len_spread,
     )
     configs = [c for c in args.configs.split(",") if c]
     print(
         f"AdaFlash demo: {len(phases)} phases x {per_phase} requests "
         f"({', '.join(p.name for p in phases)}), window {window}, "
-        f"{max_tokens} tokens each, "
+        f"{max_tokens} tokens each"
+        + (f" (+-{args.output_len_spread:.0%})" if args.output_len_spread else "")
+        + ", "
         f"{'closed windows' if args.closed_windows else 'refilled'}; "
         f"configs: {', '.join(configs)}",
         flush=True,

@@ -151,3 +151,35 @@ def test_without_a_chat_template_the_conversation_is_joined_by_lines():
 
     record = {"prompt": "Go on.", "history": [{"role": "user", "content": "Hi."}]}
     assert chat_prompts(NoTemplate(), ["plain", record]) == ["plain", "Hi.\nGo on."]
+
+
+def test_refill_is_for_offline_shift_streams():
+    import argparse
+
+    from adaflash_vllm.bench.cli import build_workload
+
+    for workload, driver in (("sweep", None), ("shift", "serve")):
+        args = argparse.Namespace(
+            requests_per_slot=None,
+            output_len_spread=0.0,
+            workload=workload,
+            driver=driver,
+            refill=True,
+            max_tokens=8,
+        )
+        with pytest.raises(AdaFlashConfigError, match="--refill"):
+            build_workload(args, tokenizer=None)
+
+
+def test_stream_lengths_are_per_request_in_stream_order():
+    from adaflash_vllm.bench.offline import stream_lengths
+    from adaflash_vllm.bench.workloads import longest_output, output_lengths
+
+    workload = {
+        "phases": [{"prompts": ["a"] * 3}, {"prompts": ["b"] * 5}],
+        "max_tokens": 96,
+        "output_len_spread": 0.5,
+    }
+    assert stream_lengths(workload) == output_lengths(8, 96, 0.5)
+    assert stream_lengths(workload | {"output_len_spread": 0.0}) == [96] * 8
+    assert longest_output(96, 0.5) == 144 and longest_output(96) == 96

@@ -22,6 +22,7 @@ from adaflash_vllm.bench.workloads import (
     Workload,
     check_output_len_spread,
     load_phase,
+    longest_output,
     parse_phase,
 )
 from adaflash_vllm.errors import AdaFlashConfigError
@@ -83,9 +84,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--output-len-spread",
         type=float,
         default=0.0,
-        help="served sweep: draw each request's output length (seeded, the same "
-        "for every configuration) from max-tokens * [1 - S, 1 + S]; 0 = all "
-        "max-tokens",
+        help="served sweep and shift: draw each request's output length (seeded, "
+        "the same for every configuration) from max-tokens * [1 - S, 1 + S]; "
+        "0 = all max-tokens",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -113,7 +114,8 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
             "--refill is for `bench shift` with the offline driver (a served "
             "sweep's clients already keep each level's requests in flight)"
         )
-    fit = MAX_MODEL_LEN - args.max_tokens  # prompts the engines can take whole
+    # prompts the engines can take whole, with the longest answer
+    fit = MAX_MODEL_LEN - longest_output(args.max_tokens, args.output_len_spread)
     if args.workload == "shift":
         specs = [parse_phase(n, args.per_phase) for n in args.phases.split(",") if n]
         phases = [
@@ -127,6 +129,7 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             refill=args.refill,
+            output_len_spread=args.output_len_spread,
         )
     levels = tuple(int(c) for c in args.concurrency.split(",") if c)
     return Workload(

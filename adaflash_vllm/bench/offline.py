@@ -146,13 +146,17 @@ def run_shift(
 ) -> None:
     from vllm import SamplingParams
 
-    params = SamplingParams(
-        temperature=workload["temperature"],
-        max_tokens=workload["max_tokens"],
-        ignore_eos=True,
-        seed=0,
-    )
+    lengths = iter(stream_lengths(workload))
     for key, phase, chunk in shift_windows(workload):
+        params = [
+            SamplingParams(
+                temperature=workload["temperature"],
+                max_tokens=next(lengths),
+                ignore_eos=True,
+                seed=0,
+            )
+            for _ in chunk
+        ]
         before = read_counters(llm)
         outs, wall = timed_generate(llm, chunk, params)
         after = read_counters(llm)
@@ -199,13 +203,6 @@ def run_shift_refilled(
 
     from adaflash_vllm.bench.refill import RefillWindows
 
-    params = SamplingParams(
-        temperature=workload["temperature"],
-        max_tokens=workload["max_tokens"],
-        ignore_eos=True,
-        seed=0,
-        output_kind=RequestOutputKind.DELTA,  # each step's new tokens
-    )
     names = [phase["name"] for phase in workload["phases"]]
     phase_of, prompts = [], []
     for p, phase in enumerate(workload["phases"]):
@@ -213,7 +210,16 @@ def run_shift_refilled(
         prompts += phase["prompts"]
     windows = RefillWindows(phase_of, workload["window"])
     engine = llm.llm_engine
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, length) in enumerate(
+        zip(prompts, stream_lengths(workload), strict=True)
+    ):
+        params = SamplingParams(
+            temperature=workload["temperature"],
+            max_tokens=length,
+            ignore_eos=True,
+            seed=0,
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens
+        )
         engine.add_request(str(i), prompt, params)
     since = dict.fromkeys(range(len(names)), read_counters(llm))
     key, last = 0, clock()
@@ -256,6 +262,19 @@ def run_shift_refilled(
             key += 1
             save()
             progress(window_line(key - 1, names[w.phase], w.tok_s, summary, extra))
+
+
+def stream_lengths(workload: dict) -> list[int]:
+    """Each request's output length, in stream order: `max_tokens`, or with
+    `output_len_spread` drawn (seeded, the same for every configuration) from
+    max_tokens * [1 - spread, 1 + spread]."""
+    from adaflash_vllm.bench.workloads import output_lengths
+
+    return output_lengths(
+        sum(len(phase["prompts"]) for phase in workload["phases"]),
+        workload["max_tokens"],
+        workload.get("output_len_spread", 0.0),
+    )
 
 
 def step_output(out) -> tuple:

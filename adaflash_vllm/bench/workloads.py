@@ -59,10 +59,10 @@ class Workload:
     # offline). More amortise the drain at the end of each pass, where the batch
     # shrinks as the last requests finish; with drafts they finish apart.
     requests_per_slot: int | None = None
-    # served sweep: each request's output length drawn (seeded, the same for every
-    # configuration) from max_tokens * [1 - spread, 1 + spread]; 0: all max_tokens,
-    # and then a batch without drafts runs in lockstep (every request starts and
-    # ends at the same step), which no served traffic does
+    # served sweep and shift: each request's output length drawn (seeded, the same
+    # for every configuration) from max_tokens * [1 - spread, 1 + spread]; 0: all
+    # max_tokens, and then a batch without drafts runs in lockstep (every request
+    # starts and ends at the same step), which no served traffic does
     output_len_spread: float = 0.0
     # shift: queue the whole stream and keep `window` requests in flight, each
     # finished one replaced from the queue (`bench/refill.py`); False: each
@@ -145,6 +145,11 @@ def check_output_len_spread(spread: float) -> None:
         )
 
 
+def longest_output(max_tokens: int, spread: float = 0.0) -> int:
+    """The longest output `output_lengths` can draw (prompts must leave room)."""
+    return max(1, round(max_tokens * (1.0 + spread)))
+
+
 def seeded_lengths(num: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     """`num` lengths drawn uniformly from [lo, hi] with their own seeded stream."""
     rng = random.Random(seed)
@@ -160,5 +165,5 @@ def output_lengths(
     if spread == 0.0:
         return [max_tokens] * num
     lo = max(1, round(max_tokens * (1.0 - spread)))
-    hi = max(lo, round(max_tokens * (1.0 + spread)))
+    hi = max(lo, longest_output(max_tokens, spread))
     return seeded_lengths(num, lo, hi, seed)
