@@ -38,8 +38,9 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         "--size",
         choices=list(SIZES),
         default="default",
-        help="small: ~3 min (used by the tests); default: ~6-8 min; "
-        "large: ~15 min. Sizes are (requests per phase, window, max tokens): "
+        help="small (used by the tests): ~2 min on 2 cores; default: ~3 min "
+        "(run 40); large: about 3x default's tokens. Sizes are (requests per "
+        "phase, window = requests in flight, mean max tokens): "
         + ", ".join(f"{k}={v}" for k, v in SIZES.items()),
     )
     p.add_argument(
