@@ -38,9 +38,9 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
         "--size",
         choices=list(SIZES),
         default="default",
-        help="small (used by the tests): ~2 min on 2 cores; default: ~3 min "
-        "(run 40); large: about 3x default's tokens. Sizes are (requests per "
-        "phase, window = requests in flight, mean max tokens): "
+        help="small (used by the tests): ~2 min on 2 cores; default: ~3 min; "
+        "large: ~4.5 min (BENCHMARKS run 40). Sizes are (requests per phase, "
+        "window = requests in flight, mean max tokens): "
         + ", ".join(f"{k}={v}" for k, v in SIZES.items()),
     )
     p.add_argument(
