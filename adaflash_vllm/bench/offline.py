@@ -144,19 +144,9 @@ def run_shift(
     save: Callable[[], None],
     progress: Callable[[str], None],
 ) -> None:
-    from vllm import SamplingParams
-
     lengths = iter(stream_lengths(workload))
     for key, phase, chunk in shift_windows(workload):
-        params = [
-            SamplingParams(
-                temperature=workload["temperature"],
-                max_tokens=next(lengths),
-                ignore_eos=True,
-                seed=0,
-            )
-            for _ in chunk
-        ]
+        params = [stream_params(workload, next(lengths)) for _ in chunk]
         before = read_counters(llm)
         outs, wall = timed_generate(llm, chunk, params)
         after = read_counters(llm)
@@ -198,7 +188,6 @@ def run_shift_refilled(
     and it coming out: engine-wide, so near a phase boundary they mix both
     phases' requests. Every second between two steps counts, reading counters
     included: in a multiprocess engine the engine core keeps stepping meanwhile."""
-    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from adaflash_vllm.bench.refill import RefillWindows
@@ -213,13 +202,8 @@ def run_shift_refilled(
     for i, (prompt, length) in enumerate(
         zip(prompts, stream_lengths(workload), strict=True)
     ):
-        params = SamplingParams(
-            temperature=workload["temperature"],
-            max_tokens=length,
-            ignore_eos=True,
-            seed=0,
-            output_kind=RequestOutputKind.DELTA,  # each step's new tokens
-        )
+        # DELTA: each step's output holds that step's new tokens
+        params = stream_params(workload, length, output_kind=RequestOutputKind.DELTA)
         engine.add_request(str(i), prompt, params)
     since = dict.fromkeys(range(len(names)), read_counters(llm))
     key, last = 0, clock()
@@ -262,6 +246,20 @@ def run_shift_refilled(
             key += 1
             save()
             progress(window_line(key - 1, names[w.phase], w.tok_s, summary, extra))
+
+
+def stream_params(workload: dict, max_tokens: int, **extra):
+    """A benchmark request's SamplingParams: the workload's temperature,
+    `max_tokens` tokens whatever the text (ignore_eos), seed 0."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=workload["temperature"],
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=0,
+        **extra,
+    )
 
 
 def stream_lengths(workload: dict) -> list[int]:
@@ -319,14 +317,7 @@ def run_sweep_offline(
     """Offline sweep: for each C, submit C * 4 requests (`requests_per_slot`) with
     max_num_seqs fixed at the engine's value (use `adaflash bench --driver serve`
     for client concurrency)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(
-        temperature=workload["temperature"],
-        max_tokens=workload["max_tokens"],
-        ignore_eos=True,
-        seed=0,
-    )
+    params = stream_params(workload, workload["max_tokens"])
     prompts = workload["phases"][0]["prompts"]
     per_slot = workload.get("requests_per_slot") or 4
     for c in workload["concurrencies"]:

@@ -102,7 +102,6 @@ class RefillWindows:
         self.lives: dict[int, list[int]] = {}  # running: [rounds, decode tokens]
         self.done: set[int] = set()
         self.first_left = 0  # the oldest request not finished
-        self.steps = 0
 
     def _window(self, phase: int) -> RefillWindow:
         w = self.open[phase]
@@ -121,7 +120,6 @@ class RefillWindows:
         outputs: (request index, new tokens, finished, the request's drafts when
         it finished and the engine counted them) per request that got tokens.
         Returns the windows that came out, in phase order."""
-        self.steps += 1
         rows = [0] * len(self.size)
         if outputs:
             for i, *_ in outputs:
