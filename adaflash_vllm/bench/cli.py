@@ -84,7 +84,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--output-len-spread",
         type=float,
         default=0.0,
-        help="served sweep and shift: draw each request's output length (seeded, "
+        help="sweep and shift: draw each request's output length (seeded, "
         "the same for every configuration) from max-tokens * [1 - S, 1 + S]; "
         "0 = all max-tokens",
     )
@@ -95,8 +95,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--driver",
         choices=["offline", "serve"],
         default=None,
-        help="offline LLM or `vllm serve` + HTTP client (default: serve "
-        "for sweep, offline for shift)",
+        help="offline LLM (a sweep keeps C requests in flight at level C, as C "
+        "clients would) or `vllm serve` + HTTP client (default: serve for sweep, "
+        "offline for shift)",
     )
     p.add_argument("--cores", default=None, help="CPU cores for every engine, e.g. 0")
     p.add_argument("--out", default="runs/bench", help="output folder")

@@ -312,24 +312,45 @@ def window_line(key: int, phase: str, tok_s: float, summary: dict, extra: dict) 
 
 
 def run_sweep_offline(
-    llm, workload: dict, result: dict, save, progress, repeats: int
+    llm,
+    workload: dict,
+    result: dict,
+    save: Callable[[], None],
+    progress: Callable[[str], None],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> None:
-    """Offline sweep: for each C, submit C * 4 requests (`requests_per_slot`) with
-    max_num_seqs fixed at the engine's value (use `adaflash bench --driver serve`
-    for client concurrency)."""
-    params = stream_params(workload, workload["max_tokens"])
+    """Offline sweep: at each concurrency C, `requests_per_slot` (4) x C requests
+    with C in flight, a finished one replaced by the next at once, as C clients
+    of `vllm serve` that each send their next request when their last one is
+    answered (`serve_in_flight`; the engine's `max_num_seqs` is the largest C).
+    Output lengths as the served sweep draws them (`output_len_spread`)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from adaflash_vllm.bench.workloads import output_lengths
+
     prompts = workload["phases"][0]["prompts"]
     per_slot = workload.get("requests_per_slot") or 4
     for c in workload["concurrencies"]:
         n = per_slot * c
         batch = (prompts * (n // max(1, len(prompts)) + 1))[:n]
-        runs, tokens, summary = [], 0, {}
-        for _ in range(repeats):
+        lengths = output_lengths(
+            n, workload["max_tokens"], workload.get("output_len_spread", 0.0)
+        )
+        params = [
+            stream_params(workload, m, output_kind=RequestOutputKind.DELTA)
+            for m in lengths
+        ]
+        runs, tokens, summary, extra = [], 0, {}, {}
+        for r in range(repeats):
             before = read_counters(llm)
-            outs, wall = timed_generate(llm, batch, params)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            tokens, wall = serve_in_flight(
+                llm.llm_engine, batch, params, c, tag=f"c{c}r{r}", clock=clock
+            )
+            after = read_counters(llm)
             runs.append(tokens / wall)
-            summary = spec_summary(counter_delta(before, read_counters(llm)))
+            summary = spec_summary(counter_delta(before, after))
+            extra = gate_extra(before, after)
         runs.sort()
         add_point(
             result,
@@ -341,11 +362,52 @@ def run_sweep_offline(
                 wall_s=tokens / runs[len(runs) // 2],
                 tok_s=runs[len(runs) // 2],
                 tok_s_runs=runs,
+                extra=extra,
                 **summary,
             ),
         )
         save()
-        progress(f"C={c} {runs[len(runs) // 2]:7.1f} tok/s tau {summary['tau']:.2f}")
+        line = f"C={c} {runs[len(runs) // 2]:7.1f} tok/s tau {summary['tau']:.2f}"
+        if "gate_skipped_share" in extra:
+            line += f" gate skipped {extra['gate_skipped_share']:.0%} of steps"
+        progress(line)
+
+
+def serve_in_flight(
+    engine,
+    prompts: list[str],
+    params: list,
+    concurrency: int,
+    tag: str = "r",
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, float]:
+    """Serve `prompts` (with `params`, DELTA outputs) on a vLLM `LLMEngine` with
+    at most `concurrency` in flight: the first `concurrency` at once, then the
+    next each time one finishes (request ids `TAG-i`). Returns (output tokens,
+    wall seconds from the first request in to the last one out)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    pending = iter(enumerate(zip(prompts, params, strict=True)))
+    in_flight = tokens = 0
+
+    def submit() -> None:
+        nonlocal in_flight
+        while in_flight < concurrency:
+            item = next(pending, None)
+            if item is None:
+                return
+            i, (prompt, p) = item
+            engine.add_request(f"{tag}-{i}", prompt, p)
+            in_flight += 1
+
+    started = clock()
+    submit()
+    while in_flight:
+        for out in engine.step():
+            tokens += len(out.outputs[0].token_ids)
+            in_flight -= out.finished
+        submit()
+    return tokens, clock() - started
 
 
 def main(job_path: str) -> None:

@@ -84,6 +84,44 @@ def test_shift_stream_offline(tiny, tokenizer, prompt_file, tmp_path):
     assert rebuild_report(tmp_path)["summary"] == summary["summary"]
 
 
+def test_concurrency_sweep_offline(tiny, tokenizer, prompt_file, tmp_path):
+    """The offline driver's sweep: each level's requests (2 per slot) with
+    that many in flight, every request its own drawn length."""
+    workload = Workload(
+        "sweep",
+        [load_phase(str(prompt_file), tokenizer, count=8)],
+        concurrencies=(1, 4),
+        max_tokens=12,
+        requests_per_slot=2,
+        output_len_spread=0.5,
+    )
+    names = ["plain", "adaflash:cost_aware"]
+    summary = run_benchmark(
+        setup=_setup(tiny),
+        config_names=names,
+        workload=workload,
+        out_dir=tmp_path,
+        driver="offline",
+        repeats=2,
+        command="test",
+    )
+    _check_outputs(tmp_path, names, "sweep")
+    assert summary["failed"] == []
+    for name in names:
+        points = json.loads((tmp_path / f"{name.replace(':', '-')}.json").read_text())[
+            "points"
+        ]
+        assert [p["key"] for p in points] == [1, 4]
+        assert [p["requests"] for p in points] == [2, 8]
+        assert [p["output_tokens"] for p in points] == [
+            sum(output_lengths(n, 12, 0.5)) for n in (2, 8)
+        ]
+        assert all(len(p["tok_s_runs"]) == 2 for p in points)
+    ada = json.loads((tmp_path / "adaflash-cost_aware.json").read_text())["points"]
+    assert all(0.0 <= p["extra"]["gate_skipped_share"] <= 1.0 for p in ada)
+    assert ada[0]["rounds"] > 0  # AdaFlash's counters came through get_metrics()
+
+
 def test_concurrency_sweep_served(tiny, tokenizer, prompt_file, tmp_path):
     """All servers up at once, measured in turn; one that cannot start is reported
     failed and the others still run. AdaFlash's draft-gate counters come through
