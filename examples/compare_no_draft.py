@@ -70,6 +70,7 @@ _ADAFLASH_VARIANTS = {
     "longruns": {},  # drafting runs that lose end as before run 37
     "before37": {},  # both of run 37's changes off
     "retireclose": {},  # retiring once skipping leads at all (_GATE_SETTINGS)
+    "noshift": {},  # revisited buckets ignore acceptance shifts (before run 41)
     "alt": {},  # the drafter folder $ADAFLASH_ALT_DRAFTER (e.g. a retrained head)
 }
 # adaflash:VARIANT: draft-gate parameters set on the running engine
@@ -98,6 +99,9 @@ _GATE_SETTINGS = {
     # requests retire from drafting once skipping's rate leads drafting's (both
     # the recent and the long-run one) beyond the noise, not by 1.25x
     "retireclose": {"retire_margin": 1.0},
+    # a bucket back after an absence keeps its mode whatever first-position
+    # acceptance did meanwhile (before run 41)
+    "noshift": {"accept_drop": 0.0},
 }
 
 

@@ -15,6 +15,13 @@ sat idle while the others stepped (the `adaflash_exclude_gap` RPC).
 `--domain math` or `code` takes the requests from the demo's math or code
 prompts instead of prose (domains the demo drafter was not trained on).
 
+`--episode N --domain prose,code`: bursts of N requests, each from the next
+domain in turn, each drained (the batch falls to one) before the next starts:
+traffic that shifts domain between bursts, whose drains visit the small batch
+sizes after the text changed. Adds each configuration's tok/s ratio per
+episode, over whole episodes and over their drains, by domain (the engines
+need not be at the same step: an episode is the same requests in every one).
+
 Run (about 5 minutes on 2 cores for 1,500 steps of three engines at 32):
     taskset -c 0 python examples/compare_steps.py --concurrency 32 --steps 1500 \
         --configs no_draft,adaflash
@@ -102,6 +109,43 @@ def _build(config: str, concurrency: int):
     return llm
 
 
+def episode_prompts(sets: list[list[str]], episode: int) -> list[str]:
+    """The stream's prompts, `episode` per episode from each set in turn (set
+    e % len(sets) for episode e), each set's prompts in order; as long as a
+    pass over the largest set takes (the stream cycles it)."""
+    rounds = -(-max(len(s) for s in sets) // episode)
+    return [
+        s[(r * episode + j) % len(s)]
+        for r in range(rounds)
+        for s in sets
+        for j in range(episode)
+    ]
+
+
+def _episode_report(summary, groups, pairs, domains, concurrency) -> None:
+    """Per configuration pair, tok/s ratios per finished episode (the first
+    left out), over whole episodes and over their drains (steps below the full
+    batch), by the episode's domain."""
+    from adaflash_vllm.bench.stepped import episode_ratios, ratio_summary
+
+    for name, base in pairs:
+        for part, below in (("episode", None), ("drain", concurrency)):
+            ratios = episode_ratios(groups[name], groups[base], drain_below=below)
+            for d, domain in enumerate(domains):
+                r = ratio_summary(
+                    [v for e, v in ratios.items() if e % len(domains) == d],
+                    "episodes",
+                )
+                key = f"{part}_vs_{base}"
+                summary.setdefault(key, {}).setdefault(name, {})[domain] = r
+                print(
+                    f"{name} / {base}, {domain} {part}s: tok/s "
+                    f"{r['tok_s_ratio_mean']:.3f} +- {r['tok_s_ratio_ci95']:.3f} "
+                    f"(95%, {r['episodes']} episodes; median "
+                    f"{r['tok_s_ratio_median']:.3f})"
+                )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=32)
@@ -111,9 +155,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument(
         "--domain",
-        choices=("prose", "math", "code"),
         default="prose",
-        help="the demo prompt set the requests come from",
+        help="the demo prompt set the requests come from (prose, math, code); "
+        "with --episode a comma list, one set per episode in turn",
+    )
+    p.add_argument(
+        "--episode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N requests per episode: each episode drains (the batch falls to "
+        "one) before the next starts, its prompts from the next --domain set; "
+        "reports each configuration's tok/s ratio per episode and over the "
+        "drains (0: one steady stream)",
     )
     p.add_argument("--configs", default="no_draft")
     p.add_argument("--out", help="also write the JSON summary here")
@@ -152,6 +206,13 @@ def main() -> None:
         p.error(str(e))
     if args.steps <= args.warmup_steps + args.block:
         p.error("--steps must exceed --warmup-steps + --block")
+    domains = args.domain.split(",")
+    if set(domains) - {"prose", "math", "code"} or (
+        len(domains) > 1 and not args.episode
+    ):
+        p.error("--domain: prose, math or code (a comma list only with --episode)")
+    if args.episode < 0:
+        p.error("--episode must be >= 0")
     # GiB per engine (1 with twins: up to 2 x 4 + 1 engines in 24 GiB)
     in_process_engines(1 if args.twins else 2)
     from tqdm import tqdm
@@ -188,7 +249,13 @@ def main() -> None:
     if args.twins:
         first = twin_build_order(first)
     built = {c: _build(config_of(c), args.concurrency) for c in first}
-    prompts = demo_prompts(built["plain"].get_tokenizer(), args.domain)
+    tokenizer = built["plain"].get_tokenizer()
+    if args.episode:
+        prompts = episode_prompts(
+            [demo_prompts(tokenizer, d) for d in domains], args.episode
+        )
+    else:
+        prompts = demo_prompts(tokenizer, args.domain)
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in built.values():
         llm.generate(prompts[:8], warm, use_tqdm=False)
@@ -202,6 +269,7 @@ def main() -> None:
             lengths,
             adaflash=c.startswith(("adaflash", "no_draft")),
             profile=cProfile.Profile() if args.profile else None,
+            episode=args.episode,
         )
         for c, llm in built.items()
     }
@@ -224,6 +292,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "steps": args.steps,
         "domain": args.domain,
+        "episode": args.episode,
         "order": args.order,
         "built": (["spare adaflash"] if args.spare else []) + first,
     }
@@ -247,7 +316,9 @@ def main() -> None:
         b for b in configs if b.startswith("dflash") or b in ("no_draft", "adaflash")
     ]
     pairs = [(n, b) for b in bases for n in configs if _compared(n, b)]
-    for name, base in pairs:
+    for name, base in pairs if not args.episode else ():
+        # (with episodes the engines are at different episodes at a step:
+        # `_episode_report` compares them episode by episode instead)
         r = ratio_summary(
             block_ratios(groups[name], groups[base], skip, args.block), "blocks"
         )
@@ -257,6 +328,8 @@ def main() -> None:
             f"{r['tok_s_ratio_ci95']:.3f} (95%, {r['blocks']} blocks of "
             f"{args.block} steps; median {r['tok_s_ratio_median']:.3f})"
         )
+    if args.episode:
+        _episode_report(summary, groups, pairs, domains, args.concurrency)
     if args.concurrency == 1:
         # The same request in each engine (the same prompt and tokens, greedy):
         # engines that emit different tokens per step are at different requests
@@ -295,6 +368,10 @@ def main() -> None:
             summary.setdefault("adaflash_state", {})[name] = {
                 "drafted_steps": gate.get("drafted_steps"),
                 "skipped_steps": gate.get("skipped_steps"),
+                # revisited buckets that acted on a shift of first-position
+                # acceptance, and that acceptance at the end
+                "shifts": gate.get("shifts"),
+                "first_accept": gate.get("first_accept"),
                 "buckets": buckets,
                 # per batch-size bucket: L*, trials, switches, full blocks run
                 # after a fully accepted round, the budgets' cap and the steps

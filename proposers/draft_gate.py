@@ -88,6 +88,18 @@ to switch back to it, by more than the noise), and while skipping it checks
 drafting only at its longest backoff. Without this, under load a bucket seen for a
 few steps per drain went back to drafting on a lead within the noise (1.36 against
 1.14 tokens per ms at 48 requests) while every smaller bucket skipped.
+
+What a bucket learnt holds for the text it learnt it on. When the traffic moves
+to another domain while the batch is elsewhere, a bucket visited a few steps at
+a time (the tail of a burst, a stream's drain) keeps the old mode: at the end of
+the demo's code phase the gates of one to four requests, last run on prose,
+drafted code at 0.6x skipping's rate. The gates share one measure of the text
+that compares across batch sizes, first-position acceptance (whether a drafted
+row's first draft was accepted: every drafted row verifies at least its first,
+whatever its budget). A bucket back after an absence, where that has since
+fallen to half of what it was at the bucket's last drafting round, restarts
+skipping and measures drafting afresh; where it has doubled, it checks drafting
+at once (`BatchSizeGates._after_absence`).
 """
 
 from __future__ import annotations
@@ -243,6 +255,13 @@ class DraftGate:
     # prompts (BENCHMARKS.md run 37). 0: off.
     run_loss_tokens: float = 4.0
     run_value: float | None = None  # the run's tokens beyond skipping's
+    # `BatchSizeGates`' first-position acceptance after this bucket's last
+    # drafting round (and the rows it had counted then), and the engine step
+    # (`BatchSizeGates.steps`) of this bucket's last visit: a traffic shift
+    # while the batch was elsewhere (`BatchSizeGates._after_absence`)
+    accept_stamp: float | None = None
+    accept_stamp_rows: int = 0
+    seen_at: int = 0
 
     def __post_init__(self) -> None:
         self.draft_rate, self.skip_rate = RatioEMA(self.ema), RatioEMA(self.ema)
@@ -670,6 +689,35 @@ class DraftGate:
             and not self._drafting_wins_decisively(self.shift_slow_margin)
         )
 
+    def forget_drafting(self) -> None:
+        """Drop what drafting's rounds measured here (its rates and their noise,
+        the cost model's last estimate, the run in progress): they describe
+        text the traffic has left (`BatchSizeGates._after_absence`)."""
+        self.draft_rate = RatioEMA(self.ema)
+        self.draft_rate_slow = RatioEMA(self.draft_rate_slow.ema)
+        self.rate_moments[True] = [0, 0.0, 0.0]
+        self.settled_draft_rate = self.model_ratio = self.run_value = None
+
+    def restart_skipping(self) -> None:
+        """Traffic moved to text drafting serves far worse than when this bucket
+        last drafted: forget drafting's rates, skip, and check drafting afresh
+        after `min_interval` steps (backoff from the start)."""
+        self.forget_drafting()
+        self.switches += self.drafting
+        self.drafting, self.switched_at, self.left_interval = False, self.step, 0
+        self.exploring_until = 0  # (an exploration in progress ends)
+        self.check_value_open = None
+        self.interval = self.min_interval
+        self.explore_at = self.step + self.interval
+
+    def check_drafting_now(self) -> None:
+        """Traffic moved to text drafting serves far better than when this
+        bucket last drafted: forget drafting's rates and make a check of
+        drafting due now (it runs as any due check, waiting for retired
+        requests to draft again where there are some)."""
+        self.forget_drafting()
+        self.explore_at = min(self.explore_at, self.step)
+
     def to_dict(self) -> dict:
         return {
             "drafting": self.drafting,
@@ -728,12 +776,36 @@ class BatchSizeGates:
     current: DraftGate | None = None  # the bucket of the last should_draft
     last_skip: DraftGate | None = None  # the bucket of the last skipped step
     switched: bool = False  # the last should_draft switched its bucket's mode
+    # First-position acceptance: an EMA over drafted rows (`accept_ema_per_row`
+    # per row) of whether the row's first draft was accepted, whatever bucket
+    # drafted it (`record_first_acceptance`). Every drafted row verifies at least
+    # its first draft, so unlike tokens per round it compares across batch sizes
+    # and budgets: it follows the text. A bucket revisited after
+    # `shift_absence_steps` engine steps away, where it has since fallen below
+    # (1 - `accept_drop`) of what it was at the bucket's last drafting round
+    # (over at least `shift_min_rows` new rows), restarts skipping with fresh
+    # drafting rates; where it has risen as far, the bucket checks drafting at
+    # once. A bucket visited a few steps at a time (a burst's tail, a stream's
+    # drain) otherwise keeps the mode the old text taught it (BENCHMARKS.md run
+    # 41). 0: off.
+    accept_drop: float = 0.5
+    accept_ema_per_row: float = 1 / 32
+    shift_absence_steps: int = 32
+    shift_min_rows: int = 32
+    first_accept: float | None = None
+    first_accept_rows: int = 0  # drafted rows counted so far
+    steps: int = 0  # should_draft calls (engine steps with a gate verdict)
+    shifts: dict = field(default_factory=dict)  # "fell" / "rose": times acted on
 
     def should_draft(
         self, num_reqs: int, plain_ms: float | None = None, can_check: bool = True
     ) -> bool:
+        self.steps += 1
         bucket = batch_bucket(num_reqs) if self.per_batch_size else 0
         gate = self.gates.get(bucket)
+        following = gate.drafting if gate is not None else None
+        if gate is not None and self.steps - gate.seen_at > self.shift_absence_steps:
+            self._after_absence(gate)
         held = self.per_batch_size and any(
             b < bucket and g.skips_decisively() for b, g in self.gates.items()
         )
@@ -743,13 +815,16 @@ class BatchSizeGates:
                 gate.start_held(num_reqs)
             elif self.current is not None:
                 gate.drafting = self.current.drafting
+        gate.seen_at = self.steps
         if gate.held and not held and not gate.drafting:
             # No longer held: the smaller batch went back to drafting; check soon.
             gate.explore_at = min(gate.explore_at, gate.step + gate.min_interval)
         gate.held = held
         self.current = gate
-        following = gate.drafting
+        if following is None:  # a new bucket
+            following = gate.drafting
         draft = gate.should_draft(num_reqs, plain_ms, can_check)
+        # (a restart after an absence counts: `_after_absence`)
         self.switched = gate.drafting != following
         if not draft:
             self.last_skip = gate
@@ -759,6 +834,43 @@ class BatchSizeGates:
         """The previous step's round: the bucket that decided it."""
         if self.current is not None:
             self.current.record_round(drafted=drafted, tokens=tokens, ms=ms)
+
+    def record_first_acceptance(self, rows: int, accepted: int) -> None:
+        """The previous step's drafting round: `rows` requests verified at least
+        one draft, `accepted` of them their first. Stamps the bucket that
+        decided it with the new level."""
+        if rows <= 0:
+            return
+        self.first_accept_rows += rows
+        w = running_weight(self.accept_ema_per_row, self.first_accept_rows, rows)
+        level = self.first_accept if self.first_accept is not None else 0.0
+        self.first_accept = level + w * (accepted / rows - level)
+        if self.current is not None:
+            self.current.accept_stamp = self.first_accept
+            self.current.accept_stamp_rows = self.first_accept_rows
+
+    def _after_absence(self, gate: DraftGate) -> None:
+        """`gate`'s bucket is back after `shift_absence_steps`: act on a shift of
+        first-position acceptance since its last drafting round."""
+        then, now = gate.accept_stamp, self.first_accept
+        if (
+            self.accept_drop <= 0
+            or then is None
+            or now is None
+            or self.first_accept_rows - gate.accept_stamp_rows < self.shift_min_rows
+        ):
+            return
+        keep = 1.0 - self.accept_drop
+        if gate.drafting and now < keep * then:
+            gate.restart_skipping()
+            self.shifts["fell"] = self.shifts.get("fell", 0) + 1
+        elif not gate.drafting and then < keep * now:
+            gate.check_drafting_now()
+            self.shifts["rose"] = self.shifts.get("rose", 0) + 1
+        else:
+            return
+        # acted on: the next visit compares with the level now
+        gate.accept_stamp, gate.accept_stamp_rows = now, self.first_accept_rows
 
     def record_draft(self, **kwargs: float) -> float:
         return self.current.record_draft(**kwargs)
@@ -774,14 +886,12 @@ class BatchSizeGates:
         """Set `DraftGate` fields on every bucket and on buckets to come
         (`per_batch_size` is this class's own: 0 keeps one gate for all batches)."""
         settings = dict(settings)
-        if "per_batch_size" in settings:
-            per_batch_size = bool(settings.pop("per_batch_size"))
-        else:
-            per_batch_size = self.per_batch_size
+        own = {k: settings.pop(k) for k in _GATES_SETTINGS if k in settings}
         unknown = sorted(set(settings) - set(DraftGate.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown draft gate fields {unknown}")
-        self.per_batch_size = per_batch_size
+        for name, value in own.items():
+            setattr(self, name, type(getattr(self, name))(value))
         for gate in (self.template, *self.gates.values()):
             for name, value in settings.items():
                 setattr(gate, name, type(getattr(gate, name))(value))
@@ -822,8 +932,21 @@ class BatchSizeGates:
             **self._now().to_dict(),
             "drafted_steps": self.drafted_steps,
             "skipped_steps": self.skipped_steps,
+            "first_accept": self.first_accept,
+            "first_accept_rows": self.first_accept_rows,
+            "shifts": dict(self.shifts),
             "buckets": {b: g.to_dict() for b, g in sorted(self.gates.items())},
         }
+
+
+# BatchSizeGates' own settings that `configure` takes besides DraftGate's
+_GATES_SETTINGS = (
+    "per_batch_size",
+    "accept_drop",
+    "accept_ema_per_row",
+    "shift_absence_steps",
+    "shift_min_rows",
+)
 
 
 class ScriptedDraftGate:
@@ -856,6 +979,9 @@ class ScriptedDraftGate:
         return 1.0
 
     def record_round(self, **_: float) -> None:
+        pass
+
+    def record_first_acceptance(self, rows: int, accepted: int) -> None:
         pass
 
     def record_skip(self, context_ms: float) -> None:

@@ -175,6 +175,9 @@ class AdaFlashProposer(DFlashProposer):
         self._deferred = _DeferredContext()  # context K/V of skipped steps
         # S_j of verified rounds, for the block length (block_length.py)
         self._position_survival = PositionSurvival(self.num_speculative_tokens)
+        # the sampler's rows that drafted / accepted their first draft, as last
+        # read (`_credit_first_acceptance`)
+        self._first_counts = (0, 0)
         # Measurements only (adaflash_debug_context_upkeep): False queues nothing
         # on skipped steps, so that a benchmark can price the upkeep; the drafter's
         # cache then lacks those tokens (later drafts worse, output unchanged).
@@ -350,8 +353,9 @@ class AdaFlashProposer(DFlashProposer):
         last, self._last_propose = self._last_propose, None
         accepted = self._observe_step_cost(last, batch, started, num_tokens)
         full_accept = False
+        counts = self._sampler_counts(last)
         if self.block_length is not None:
-            self._record_block_round(last, batch, started)
+            self._record_block_round(last, batch, started, counts)
             # every request verified the whole block and accepted all of it (a
             # budget trimmed to one accepted draft says little of the text)
             verified = sum(last.budgets.values()) if last and last.budgets else 0
@@ -365,6 +369,8 @@ class AdaFlashProposer(DFlashProposer):
         gate, draft = self.draft_gate, True
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
+            if counts is not None:
+                self._credit_first_acceptance(gate, counts)
             cost = self.cost_model
             draft = gate.should_draft(
                 num_reqs,
@@ -870,17 +876,38 @@ class AdaFlashProposer(DFlashProposer):
             drafted=last.drafted, tokens=len(last.batch) + accepted, ms=ms
         )
 
+    def _sampler_counts(self, last: _Propose | None) -> dict[str, list[int]] | None:
+        """The rejection sampler's cumulative per-position counts (`stats()`)
+        after the last step's verification, when that step drafted (None
+        otherwise, or without AdaFlash's sampler)."""
+        if last is None or not last.drafted:
+            return None
+        sampler = getattr(self._runner, "rejection_sampler", None)
+        return sampler.stats() if hasattr(sampler, "stats") else None
+
+    def _credit_first_acceptance(self, gate, counts: dict[str, list[int]]) -> None:
+        """The last drafting round's rows that verified a draft, and how many
+        accepted their first, for the gate's measure of the text (draft_gate.py
+        `BatchSizeGates.record_first_acceptance`)."""
+        drafted = counts["drafted"][0] if counts["drafted"] else 0
+        accepted = counts["accepted"][0] if counts["accepted"] else 0
+        before, self._first_counts = self._first_counts, (drafted, accepted)
+        gate.record_first_acceptance(drafted - before[0], accepted - before[1])
+
     def _record_block_round(
-        self, last: _Propose | None, batch: frozenset[str], started: float
+        self,
+        last: _Propose | None,
+        batch: frozenset[str],
+        started: float,
+        counts: dict[str, list[int]] | None,
     ) -> None:
         """The last step's drafting round, for the block length: its time (its
         propose to this one) when clean (the same requests, none new, and a
-        drafting step before it), and the per-position acceptance so far."""
+        drafting step before it), and the per-position acceptance so far
+        (`counts`: `_sampler_counts`)."""
         if last is None or not last.drafted:
             return
-        sampler = getattr(self._runner, "rejection_sampler", None)
-        if hasattr(sampler, "stats"):
-            counts = sampler.stats()
+        if counts is not None:
             # a full block after a fully accepted round is not weighed in the S_j
             survival = self._position_survival
             take = survival.skip if last.extended else survival.update

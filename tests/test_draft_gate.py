@@ -930,3 +930,108 @@ def test_the_retire_margin_sets_the_lead_retiring_needs():
     assert not two.skips_decisively()
     gates.should_draft(8)
     assert not gates.gates[8].held
+
+
+def _serve_text(gates, steps, *, b, draft_rate, skip_rate, first_accept):
+    """`_serve` on per-bucket gates whose drafting rounds also report
+    first-position acceptance (`first_accept` of the b rows), as the proposer
+    does after each drafting round. Returns the modes chosen."""
+    modes, last = [], None
+    for _ in range(steps):
+        if last is not None:
+            rate = draft_rate if last else skip_rate
+            gates.record_round(drafted=last, tokens=rate * 50.0, ms=50.0)
+            if last:
+                gates.record_first_acceptance(b, round(first_accept * b))
+        last = gates.should_draft(b)
+        if last:
+            gates.current.model_ratio = 1.0
+        modes.append(last)
+    return modes
+
+
+def _prose_then_code_under_load(gates):
+    """Bucket 4 drafts prose (first drafts accepted 70%); then the batch is at
+    32 for 400 steps of code (15%), where the gate skips and checks drafting
+    now and then."""
+    _serve_text(gates, 60, b=4, draft_rate=0.5, skip_rate=0.2, first_accept=0.7)
+    assert gates.gates[4].drafting
+    _serve_text(gates, 400, b=32, draft_rate=0.6, skip_rate=1.0, first_accept=0.15)
+    assert not gates.gates[32].drafting and gates.gates[32].drafted_steps > 0
+
+
+def test_a_bucket_back_after_a_shift_to_harder_text_restarts_skipping():
+    """The drain after the shift: bucket 4, last run on prose, would draft code
+    (0.12 tokens per ms against skipping's 0.2) until its own rates learnt it.
+    Acceptance fell to a fifth while it was away: it skips at once, measures
+    drafting afresh after min_interval steps, and keeps skipping."""
+    gates = BatchSizeGates()
+    _prose_then_code_under_load(gates)
+    modes = _serve_text(
+        gates, 40, b=4, draft_rate=0.12, skip_rate=0.2, first_accept=0.15
+    )
+    gate = gates.gates[4]
+    assert gates.shifts == {"fell": 1}
+    assert modes[:7] == [False] * 7  # skipping from the first step back
+    assert 1 <= modes.count(True) <= 4  # one fresh check of drafting
+    assert not gate.drafting and gate.draft_rate.ratio() == pytest.approx(0.12)
+    stale = BatchSizeGates(accept_drop=0.0)  # off: the old mode
+    _prose_then_code_under_load(stale)
+    modes = _serve_text(
+        stale, 40, b=4, draft_rate=0.12, skip_rate=0.2, first_accept=0.15
+    )
+    assert modes[0] and modes.count(True) >= 8 and stale.shifts == {}
+
+
+def test_a_revisited_bucket_that_still_wins_goes_back_to_drafting():
+    """At few requests drafting can still win on harder text: the fresh check
+    finds it (0.4 against 0.2 tokens per ms) and drafting resumes."""
+    gates = BatchSizeGates()
+    _prose_then_code_under_load(gates)
+    modes = _serve_text(gates, 40, b=4, draft_rate=0.4, skip_rate=0.2, first_accept=0.3)
+    assert gates.shifts == {"fell": 1} and gates.gates[4].drafting
+    assert modes[-20:] == [True] * 20
+
+
+def test_a_skipping_bucket_back_after_a_shift_to_easier_text_checks_drafting():
+    """The other way round: bucket 4 skipped code (not decisively, so larger
+    buckets are not held); prose comes back at 32 requests (acceptance 0.15 ->
+    0.7). Back at 4 it checks drafting on its first step and follows it."""
+    gates = BatchSizeGates()
+    _serve_text(gates, 120, b=4, draft_rate=0.17, skip_rate=0.2, first_accept=0.15)
+    assert not gates.gates[4].drafting and not gates.gates[4].skips_decisively()
+    _serve_text(gates, 400, b=32, draft_rate=0.6, skip_rate=1.0, first_accept=0.7)
+    modes = _serve_text(gates, 20, b=4, draft_rate=0.5, skip_rate=0.2, first_accept=0.7)
+    assert gates.shifts == {"rose": 1}
+    assert modes[0] and gates.gates[4].drafting
+
+
+@pytest.mark.parametrize("case", ["same_text", "short_absence", "few_rows"])
+def test_no_shift_no_restart(case):
+    """Steady text, a short absence, or too few rows since the bucket last
+    drafted: a revisited bucket keeps its mode."""
+    gates = BatchSizeGates()
+    _serve_text(gates, 60, b=4, draft_rate=0.5, skip_rate=0.2, first_accept=0.7)
+    text = 0.55 if case == "same_text" else 0.15
+    away = 20 if case == "short_absence" else 400
+    if case == "few_rows":
+        gates.shift_min_rows = 10**6
+    _serve_text(gates, away, b=32, draft_rate=0.6, skip_rate=1.0, first_accept=text)
+    modes = _serve_text(gates, 8, b=4, draft_rate=0.5, skip_rate=0.2, first_accept=text)
+    assert gates.shifts == {} and modes == [True] * 8
+
+
+def test_first_acceptance_is_a_running_mean_of_rows_then_an_ema():
+    gates = BatchSizeGates()
+    gates.should_draft(4)
+    gates.record_first_acceptance(4, 4)
+    gates.record_first_acceptance(4, 0)
+    assert gates.first_accept == pytest.approx(0.5)  # the mean of 8 rows
+    assert gates.gates[4].accept_stamp == pytest.approx(0.5)
+    gates.record_first_acceptance(0, 0)  # a round where no row drafted
+    assert gates.first_accept_rows == 8
+    for _ in range(40):
+        gates.record_first_acceptance(32, 0)
+    assert gates.first_accept < 0.01
+    gates.configure({"accept_drop": 0.0, "switch_z": 2.0})
+    assert gates.accept_drop == 0.0 and gates.gates[4].switch_z == 2.0

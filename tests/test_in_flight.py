@@ -86,3 +86,51 @@ def test_one_request_at_a_time_serves_in_sequence():
 def test_concurrency_below_one_is_refused():
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         serve_in_flight(_Engine(), ["a"], _params([1]), 0)
+
+
+class _LLM:
+    """What `SweepLevels` reads of a vLLM `LLM`: its engine and its metrics
+    (none here: every counter reads 0)."""
+
+    def __init__(self):
+        self.llm_engine = _Engine()
+
+    def get_metrics(self):
+        return []
+
+
+def test_sweep_levels_follow_the_harness_commands():
+    """The child side of the interleaved offline sweep: READY, then each
+    command done and answered; a level's point is the median of its passes,
+    with every request served at that concurrency."""
+    from adaflash_vllm.bench.offline import DONE, READY, SweepLevels
+    from adaflash_vllm.bench.workloads import output_lengths
+
+    workload = {
+        "phases": [{"name": "prose", "prompts": ["a", "b", "c"]}],
+        "max_tokens": 6,
+        "output_len_spread": 0.5,
+        "requests_per_slot": 3,
+        "temperature": 0.0,
+    }
+    result = {"points": []}
+    llm, saved, replies = _LLM(), [], []
+    levels = SweepLevels(llm, workload, result, lambda: saved.append(1), print)
+    commands = [
+        '{"op": "warm", "level": 2}',
+        '{"op": "pass", "level": 2}',
+        "",
+        '{"op": "pass", "level": 2}',
+        '{"op": "point", "level": 2}',
+        '{"op": "end"}',
+        '{"op": "pass", "level": 2}',  # after the end: not read
+    ]
+    levels.run_commands(commands, replies.append)
+    assert replies == [READY] + [DONE] * 4
+    (point,) = result["points"]
+    assert point["key"] == 2 and point["requests"] == 6
+    assert point["output_tokens"] == sum(output_lengths(6, 6, 0.5))
+    assert len(point["tok_s_runs"]) == 2 and saved == [1]
+    assert max(llm.llm_engine.batches) == 2  # never more than C in flight
+    # warm-up (2 requests) and two passes of 6
+    assert len(llm.llm_engine.added) == 2 + 2 * 6

@@ -13,6 +13,7 @@ from adaflash_vllm.bench.stepped import (
     Stream,
     block_ratios,
     config_of,
+    episode_ratios,
     pooled_median_step_ms,
     pooled_tok_s,
     ratio_summary,
@@ -192,3 +193,36 @@ def test_ratio_summary():
     assert r["tok_s_ratio_ci95"] == pytest.approx(1.96 * 0.2 / math.sqrt(3))
     empty = ratio_summary([], "requests")
     assert empty["requests"] == 0 and math.isnan(empty["tok_s_ratio_mean"])
+
+
+def test_episodes_drain_before_the_next_starts():
+    """`episode` requests per episode: the batch refills within one, falls to
+    nothing at its end, and the next starts full; steps say their episode."""
+    (a,), _ = _streams(2, [("a", 1, 1.0)], lengths=[2, 4, 1])
+    a.episode = 3
+    step_in_turn([a], 7)
+    # requests 0, 1 (lengths 2, 4); 0 ends after 2 steps and 2 (length 1)
+    # comes in and ends; episode 0 drains at one request, then requests 3, 4
+    # start together
+    assert [st.batch for st in a.steps] == [2, 2, 2, 1, 2, 2, 2]
+    assert [st.episode for st in a.steps] == [0, 0, 0, 0, 1, 1, 1]
+    assert [rid for rid, _, _ in a.llm.llm_engine.added][:5] == [
+        f"a-{i}" for i in range(5)
+    ]
+
+
+def test_episode_ratios_compare_finished_episodes_and_their_drains():
+    """Engine b emits twice a's tokens per step at the same cost: 2x over
+    each finished episode and over its drain alike; the first episode (warm-up)
+    and the unfinished last one are left out."""
+    (a, b), _ = _streams(2, [("a", 1, 1.0), ("b", 2, 1.0)], lengths=[4, 8, 2])
+    for s in (a, b):
+        s.episode = 3
+    step_in_turn([a, b], 40)
+    whole = episode_ratios(b, a)
+    drains = episode_ratios(b, a, drain_below=2)
+    done = min(a.steps[-1].episode, b.steps[-1].episode)  # a is slower
+    assert set(whole) == set(range(1, done)) and len(whole) >= 2
+    assert all(r == pytest.approx(2.0) for r in whole.values())
+    assert drains and all(r == pytest.approx(2.0) for r in drains.values())
+    assert episode_ratios([b, b], [a, a], skip=0).keys() == {0} | whole.keys()

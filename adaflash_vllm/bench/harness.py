@@ -334,9 +334,14 @@ def run_benchmark(
     configs = numbered([build_config(n, setup) for n in config_names])  # fail fast
     configs = [with_fresh_online(c, out_dir / f"{c.name}-online") for c in configs]
     engine = engine_kwargs(workload)
-    if driver == "serve" and workload.kind == "sweep":
+    if workload.kind == "sweep":
         print(f"[{len(configs)} configurations, interleaved]", flush=True)
-        results = run_sweep_interleaved(
+        sweep = run_sweep_interleaved
+        if driver != "serve":
+            from adaflash_vllm.bench.offline_interleaved import (
+                run_offline_sweep_interleaved as sweep,
+            )
+        results = sweep(
             configs,
             setup=setup,
             workload=workload,

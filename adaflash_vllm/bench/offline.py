@@ -5,6 +5,9 @@ Run (the harness does this): python -m adaflash_vllm.bench.offline JOB.json
 JOB.json: {"target", "config": {name, speculative_config}, "workload": {...},
            "setup": {...}, "engine": {extra LLM kwargs}, "out": result path,
            "command": str, "warmup": int}
+A shift stream runs through at once; a sweep takes its passes as commands on
+stdin, so that the harness can interleave every configuration's
+(`SweepLevels.run_commands`, offline_interleaved.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from adaflash_vllm.bench.results import (
@@ -311,66 +315,102 @@ def window_line(key: int, phase: str, tok_s: float, summary: dict, extra: dict) 
     return line
 
 
-def run_sweep_offline(
-    llm,
-    workload: dict,
-    result: dict,
-    save: Callable[[], None],
-    progress: Callable[[str], None],
-    repeats: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> None:
-    """Offline sweep: at each concurrency C, `requests_per_slot` (4) x C requests
-    with C in flight, a finished one replaced by the next at once, as C clients
-    of `vllm serve` that each send their next request when their last one is
-    answered (`serve_in_flight`; the engine's `max_num_seqs` is the largest C).
-    Output lengths as the served sweep draws them (`output_len_spread`)."""
-    from vllm.sampling_params import RequestOutputKind
+READY = "@@ready"  # the child's engine is up (interleaved sweep protocol)
+DONE = "@@done"  # the child finished a command
 
-    from adaflash_vllm.bench.workloads import output_lengths
 
-    prompts = workload["phases"][0]["prompts"]
-    per_slot = workload.get("requests_per_slot") or 4
-    for c in workload["concurrencies"]:
-        n = per_slot * c
+class SweepLevels:
+    """The offline sweep in one engine: at concurrency C, `requests_per_slot`
+    (4) x C requests with C in flight, a finished one replaced by the next at
+    once, as C clients of `vllm serve` that each send their next request when
+    their last one is answered (`serve_in_flight`; the engine's `max_num_seqs`
+    is the largest C). Output lengths as the served sweep draws them
+    (`output_len_spread`). The harness runs every configuration's engine at
+    once and, level by level, their passes in turn (`run_commands`;
+    offline_interleaved.py)."""
+
+    def __init__(self, llm, workload: dict, result: dict, save, progress, clock=None):
+        self.llm, self.workload, self.result = llm, workload, result
+        self.save, self.progress = save, progress
+        self.clock = clock or time.perf_counter
+        self.passes: dict[int, list[tuple[float, int, dict, dict]]] = {}
+
+    def _level(self, c: int) -> tuple[list[str], list]:
+        from vllm.sampling_params import RequestOutputKind
+
+        from adaflash_vllm.bench.workloads import output_lengths
+
+        wl = self.workload
+        prompts = wl["phases"][0]["prompts"]
+        n = (wl.get("requests_per_slot") or 4) * c
         batch = (prompts * (n // max(1, len(prompts)) + 1))[:n]
-        lengths = output_lengths(
-            n, workload["max_tokens"], workload.get("output_len_spread", 0.0)
+        lengths = output_lengths(n, wl["max_tokens"], wl.get("output_len_spread", 0.0))
+        kind = RequestOutputKind.DELTA
+        return batch, [stream_params(wl, m, output_kind=kind) for m in lengths]
+
+    def warm(self, c: int) -> None:
+        """C short requests at concurrency C (as the served sweep's warm-up)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        batch, _ = self._level(c)
+        params = stream_params(self.workload, 8, output_kind=RequestOutputKind.DELTA)
+        batch = batch[:c]
+        serve_in_flight(self.llm.llm_engine, batch, [params] * len(batch), c, "warm")
+
+    def measure(self, c: int) -> None:
+        """One timed pass at concurrency C."""
+        batch, params = self._level(c)
+        runs = self.passes.setdefault(c, [])
+        before = read_counters(self.llm)
+        tokens, wall = serve_in_flight(
+            self.llm.llm_engine, batch, params, c, f"c{c}r{len(runs)}", self.clock
         )
-        params = [
-            stream_params(workload, m, output_kind=RequestOutputKind.DELTA)
-            for m in lengths
-        ]
-        runs, tokens, summary, extra = [], 0, {}, {}
-        for r in range(repeats):
-            before = read_counters(llm)
-            tokens, wall = serve_in_flight(
-                llm.llm_engine, batch, params, c, tag=f"c{c}r{r}", clock=clock
-            )
-            after = read_counters(llm)
-            runs.append(tokens / wall)
-            summary = spec_summary(counter_delta(before, after))
-            extra = gate_extra(before, after)
-        runs.sort()
+        after = read_counters(self.llm)
+        summary = spec_summary(counter_delta(before, after))
+        runs.append((tokens / wall, tokens, summary, gate_extra(before, after)))
+
+    def point(self, c: int) -> None:
+        """Record concurrency C: the median of its passes (the last pass's tau,
+        verify length and gate share)."""
+        runs = self.passes.pop(c)
+        rates = sorted(r[0] for r in runs)
+        _, tokens, summary, extra = runs[-1]
+        tok_s = median(rates)
         add_point(
-            result,
+            self.result,
             Point(
                 key=c,
-                phase=workload["phases"][0]["name"],
-                requests=len(batch),
+                phase=self.workload["phases"][0]["name"],
+                requests=len(self._level(c)[0]),
                 output_tokens=tokens,
-                wall_s=tokens / runs[len(runs) // 2],
-                tok_s=runs[len(runs) // 2],
-                tok_s_runs=runs,
+                wall_s=tokens / tok_s,
+                tok_s=tok_s,
+                tok_s_runs=rates,
                 extra=extra,
                 **summary,
             ),
         )
-        save()
-        line = f"C={c} {runs[len(runs) // 2]:7.1f} tok/s tau {summary['tau']:.2f}"
+        self.save()
+        line = f"C={c} {tok_s:7.1f} tok/s tau {summary['tau']:.2f}"
         if "gate_skipped_share" in extra:
             line += f" gate skipped {extra['gate_skipped_share']:.0%} of steps"
-        progress(line)
+        self.progress(line)
+
+    def run_commands(self, lines, reply: Callable[[str], None]) -> None:
+        """The interleaved sweep's child side: say READY, then for each JSON
+        line `{"op": "warm" | "pass" | "point", "level": C}` do it and say
+        DONE; stop at `{"op": "end"}` (or the end of input)."""
+        reply(READY)
+        for line in lines:
+            if not line.strip():
+                continue
+            cmd = json.loads(line)
+            if cmd["op"] == "end":
+                return
+            {"warm": self.warm, "pass": self.measure, "point": self.point}[cmd["op"]](
+                int(cmd["level"])
+            )
+            reply(DONE)
 
 
 def serve_in_flight(
@@ -441,9 +481,9 @@ def main(job_path: str) -> None:
             run = run_shift_refilled if workload.get("refill") else run_shift
             run(llm, workload, result, save, progress)
         else:
-            run_sweep_offline(
-                llm, workload, result, save, progress, job.get("repeats", 1)
-            )
+            # the harness interleaves the configurations' passes (stdin)
+            levels = SweepLevels(llm, workload, result, save, progress)
+            levels.run_commands(sys.stdin, lambda line: print(line, flush=True))
         result["status"] = "ok"
     except Exception as e:  # keep finished points, say what broke
         result["status"], result["error"] = "failed", f"{type(e).__name__}: {e}"

@@ -37,6 +37,7 @@ class Step:
     new_prompt: bool  # a request was added since the step before
     seconds: float
     tokens: int  # output tokens the step emitted
+    episode: int = 0  # the stream's episode (`Stream.episode`; 0 without)
 
 
 @dataclass
@@ -55,6 +56,11 @@ class Stream:
     adaflash: bool = False
     profile: object | None = None  # a cProfile.Profile for this engine's steps
     make_params: Callable[[int], object] = _greedy_delta  # max_tokens -> params
+    # requests per episode (0: one steady stream): the requests of episode e are
+    # e * episode ... (e + 1) * episode - 1, and the next episode starts only
+    # once every request of this one finished, so each ends in a drain (the
+    # batch falls to one), as traffic does between bursts
+    episode: int = 0
     clock: Callable[[], float] = time.perf_counter
     steps: list[Step] = field(default_factory=list)
     # at one request: each finished request's seconds (the steps it ran in)
@@ -68,6 +74,8 @@ class Stream:
     def fill(self) -> None:
         while self.running < self.concurrency:
             i = self.next_id
+            if self.episode and i % self.episode == 0 and self.running:
+                return  # the episode drains first
             self.llm.llm_engine.add_request(
                 f"{self.name}-{i}",
                 self.prompts[i % len(self.prompts)],
@@ -83,6 +91,7 @@ class Stream:
             gap = self.clock() - self._ended_at
             self.llm.collective_rpc("adaflash_exclude_gap", args=(gap,))
         batch, new = self.running, self._new_prompt
+        episode = (self.next_id - 1) // self.episode if self.episode else 0
         self._new_prompt = False
         if self.profile is not None:
             self.profile.enable()
@@ -102,7 +111,7 @@ class Stream:
                         self._request_secs
                     )
                     self._request_secs = 0.0
-        self.steps.append(Step(batch, new, secs, tokens))
+        self.steps.append(Step(batch, new, secs, tokens, episode))
         self.fill()
 
     def request_index(self, request_id: str) -> int:
@@ -177,6 +186,36 @@ def request_ratios(num: Streams, den: Streams) -> list[float]:
         / statistics.fmean(n.per_request[i] for n in nums)
         for i in common[1:]
     ]
+
+
+def episode_ratios(
+    num: Streams, den: Streams, drain_below: int | None = None, skip: int = 1
+) -> dict[int, float]:
+    """Per episode (`Stream.episode`) that every engine finished, but the first
+    `skip`: tok/s of `num` over `den` over its steps or, with `drain_below`,
+    only over its steps at fewer requests than that (its drain: an episode
+    starts with a full batch). Twins pool their tokens and seconds per
+    episode. The same requests make up an episode in every engine, so unlike
+    `block_ratios` the engines need not be at the same step."""
+    streams = _twins(num) + _twins(den)
+    # finished everywhere: a later episode has started in every engine
+    done = min(s.steps[-1].episode if s.steps else 0 for s in streams)
+
+    def rates(group: list[Stream]) -> dict[int, float]:
+        sums: dict[int, list[float]] = {}
+        for s in group:
+            for st in s.steps:
+                if not skip <= st.episode < done:
+                    continue
+                if drain_below is not None and st.batch >= drain_below:
+                    continue
+                acc = sums.setdefault(st.episode, [0.0, 0.0])
+                acc[0] += st.tokens
+                acc[1] += st.seconds
+        return {e: t / sec for e, (t, sec) in sums.items() if t > 0 and sec > 0}
+
+    nums, dens = rates(_twins(num)), rates(_twins(den))
+    return {e: nums[e] / dens[e] for e in sorted(set(nums) & set(dens))}
 
 
 def pooled_tok_s(streams: Streams, skip: int = 0) -> float:

@@ -85,8 +85,10 @@ def test_shift_stream_offline(tiny, tokenizer, prompt_file, tmp_path):
 
 
 def test_concurrency_sweep_offline(tiny, tokenizer, prompt_file, tmp_path):
-    """The offline driver's sweep: each level's requests (2 per slot) with
-    that many in flight, every request its own drawn length."""
+    """The offline driver's sweep: every configuration's engine up at once in
+    its own process, their passes in turn; each level's requests (2 per slot)
+    with that many in flight, every request its own drawn length. An engine
+    that cannot start is reported failed and the others still run."""
     workload = Workload(
         "sweep",
         [load_phase(str(prompt_file), tokenizer, count=8)],
@@ -95,10 +97,12 @@ def test_concurrency_sweep_offline(tiny, tokenizer, prompt_file, tmp_path):
         requests_per_slot=2,
         output_len_spread=0.5,
     )
+    bad = tmp_path / "bad-adaflash.json"
+    bad.write_text(json.dumps({"adaflash": {"no_such_key": 1}}))
     names = ["plain", "adaflash:cost_aware"]
     summary = run_benchmark(
         setup=_setup(tiny),
-        config_names=names,
+        config_names=[names[0], f"bad@{bad}", names[1]],
         workload=workload,
         out_dir=tmp_path,
         driver="offline",
@@ -106,7 +110,10 @@ def test_concurrency_sweep_offline(tiny, tokenizer, prompt_file, tmp_path):
         command="test",
     )
     _check_outputs(tmp_path, names, "sweep")
-    assert summary["failed"] == []
+    assert summary["failed"] == ["bad"]
+    failed = json.loads((tmp_path / "bad.json").read_text())
+    assert failed["status"] == "failed" and "exited" in failed["error"]
+    assert "no_such_key" in (tmp_path / "bad.log").read_text()
     for name in names:
         points = json.loads((tmp_path / f"{name.replace(':', '-')}.json").read_text())[
             "points"

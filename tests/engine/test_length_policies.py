@@ -88,6 +88,12 @@ def test_head_loaded_and_budgets_ragged(policy_llm):
             assert m["vllm:adaflash_draft_gate_drafted_steps"] == drafted
             assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
             assert m["vllm:adaflash_draft_gate_drafting"] == int(gate["drafting"])
+            # Its measure of the text: every row that verified a draft, as the
+            # rejection sampler counted them (but the last step's round, which
+            # no later step credited), and the share that accepted its first.
+            rows = policy_llm["sampler"]["drafted"][0]
+            assert rows - len(PROMPTS) <= gate["first_accept_rows"] <= rows
+            assert gate["first_accept_rows"] > 0 and 0 <= gate["first_accept"] <= 1
         else:  # no gate: every decode step drafted
             assert budget["draft_gate"] is None
             drafted = sum(
