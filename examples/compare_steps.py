@@ -109,6 +109,9 @@ def _build(config: str, concurrency: int):
     return llm
 
 
+MAX_MODEL_LEN = 1024  # bench/paired.py `offline_engine`
+
+
 def episode_prompts(sets: list[list[str]], episode: int) -> list[str]:
     """The stream's prompts, `episode` per episode from each set in turn (set
     e % len(sets) for episode e), each set's prompts in order; as long as a
@@ -250,12 +253,14 @@ def main() -> None:
         first = twin_build_order(first)
     built = {c: _build(config_of(c), args.concurrency) for c in first}
     tokenizer = built["plain"].get_tokenizer()
-    if args.episode:
-        prompts = episode_prompts(
-            [demo_prompts(tokenizer, d) for d in domains], args.episode
-        )
-    else:
-        prompts = demo_prompts(tokenizer, args.domain)
+    # prompts that leave room for the longest answer (a code prompt or two do
+    # not: reached, they stopped the run)
+    room = MAX_MODEL_LEN - 5 * args.max_tokens // 3
+    sets = [
+        [p for p in demo_prompts(tokenizer, d) if len(tokenizer(p).input_ids) <= room]
+        for d in domains
+    ]
+    prompts = episode_prompts(sets, args.episode) if args.episode else sets[0]
     warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for llm in built.values():
         llm.generate(prompts[:8], warm, use_tqdm=False)

@@ -98,8 +98,9 @@ that compares across batch sizes, first-position acceptance (whether a drafted
 row's first draft was accepted: every drafted row verifies at least its first,
 whatever its budget). A bucket back after an absence, where that has since
 fallen to half of what it was at the bucket's last drafting round, restarts
-skipping and measures drafting afresh; where it has doubled, it checks drafting
-at once (`BatchSizeGates._after_absence`).
+skipping and measures drafting afresh when skipping's backoff at its size comes
+due; where it has doubled, it checks drafting at once
+(`BatchSizeGates._after_absence`).
 """
 
 from __future__ import annotations
@@ -698,16 +699,19 @@ class DraftGate:
         self.rate_moments[True] = [0, 0.0, 0.0]
         self.settled_draft_rate = self.model_ratio = self.run_value = None
 
-    def restart_skipping(self) -> None:
+    def restart_skipping(self, num_reqs: int) -> None:
         """Traffic moved to text drafting serves far worse than when this bucket
         last drafted: forget drafting's rates, skip, and check drafting afresh
-        after `min_interval` steps (backoff from the start)."""
+        when skipping at `num_reqs` requests would (`_skip_cap`: 16 steps per
+        request). A check after 8 steps spent a few drafting rounds in every
+        short visit (a stream's drain), as many as the old mode had."""
         self.forget_drafting()
         self.switches += self.drafting
         self.drafting, self.switched_at, self.left_interval = False, self.step, 0
         self.exploring_until = 0  # (an exploration in progress ends)
         self.check_value_open = None
-        self.interval = self.min_interval
+        self.switch_batch = num_reqs
+        self.interval = self._skip_cap(num_reqs)
         self.explore_at = self.step + self.interval
 
     def check_drafting_now(self) -> None:
@@ -784,10 +788,11 @@ class BatchSizeGates:
     # `shift_absence_steps` engine steps away, where it has since fallen below
     # (1 - `accept_drop`) of what it was at the bucket's last drafting round
     # (over at least `shift_min_rows` new rows), restarts skipping with fresh
-    # drafting rates; where it has risen as far, the bucket checks drafting at
-    # once. A bucket visited a few steps at a time (a burst's tail, a stream's
-    # drain) otherwise keeps the mode the old text taught it (BENCHMARKS.md run
-    # 41). 0: off.
+    # drafting rates (checking drafting when skipping at its size would);
+    # where it has risen as far, the bucket checks drafting at once. A bucket
+    # visited a few steps at a time (a burst's tail, a stream's drain)
+    # otherwise keeps the mode the old text taught it (BENCHMARKS.md run 41).
+    # 0: off.
     accept_drop: float = 0.5
     accept_ema_per_row: float = 1 / 32
     shift_absence_steps: int = 32
@@ -805,7 +810,7 @@ class BatchSizeGates:
         gate = self.gates.get(bucket)
         following = gate.drafting if gate is not None else None
         if gate is not None and self.steps - gate.seen_at > self.shift_absence_steps:
-            self._after_absence(gate)
+            self._after_absence(gate, num_reqs)
         held = self.per_batch_size and any(
             b < bucket and g.skips_decisively() for b, g in self.gates.items()
         )
@@ -849,7 +854,7 @@ class BatchSizeGates:
             self.current.accept_stamp = self.first_accept
             self.current.accept_stamp_rows = self.first_accept_rows
 
-    def _after_absence(self, gate: DraftGate) -> None:
+    def _after_absence(self, gate: DraftGate, num_reqs: int) -> None:
         """`gate`'s bucket is back after `shift_absence_steps`: act on a shift of
         first-position acceptance since its last drafting round."""
         then, now = gate.accept_stamp, self.first_accept
@@ -862,7 +867,7 @@ class BatchSizeGates:
             return
         keep = 1.0 - self.accept_drop
         if gate.drafting and now < keep * then:
-            gate.restart_skipping()
+            gate.restart_skipping(num_reqs)
             self.shifts["fell"] = self.shifts.get("fell", 0) + 1
         elif not gate.drafting and then < keep * now:
             gate.check_drafting_now()
@@ -883,8 +888,10 @@ class BatchSizeGates:
             self.last_skip.charge_skipped(ms, steps)
 
     def configure(self, settings: dict[str, float]) -> None:
-        """Set `DraftGate` fields on every bucket and on buckets to come
-        (`per_batch_size` is this class's own: 0 keeps one gate for all batches)."""
+        """Set `DraftGate` fields on every bucket and on buckets to come, and
+        this class's own (`_GATES_SETTINGS`: `per_batch_size` 0 keeps one gate
+        for all batches, `accept_drop` 0 turns off acting on acceptance
+        shifts)."""
         settings = dict(settings)
         own = {k: settings.pop(k) for k in _GATES_SETTINGS if k in settings}
         unknown = sorted(set(settings) - set(DraftGate.__dataclass_fields__))

@@ -353,7 +353,14 @@ class AdaFlashProposer(DFlashProposer):
         last, self._last_propose = self._last_propose, None
         accepted = self._observe_step_cost(last, batch, started, num_tokens)
         full_accept = False
-        counts = self._sampler_counts(last)
+        gate, draft = self.draft_gate, True
+        # the sampler's counts, for the block length and the gate's measure of
+        # the text (after a drafting step only)
+        counts = (
+            self._sampler_counts(last)
+            if self.block_length is not None or gate is not None
+            else None
+        )
         if self.block_length is not None:
             self._record_block_round(last, batch, started, counts)
             # every request verified the whole block and accepted all of it (a
@@ -366,7 +373,6 @@ class AdaFlashProposer(DFlashProposer):
                 and verified == len(last.batch) * last.length > 0
                 and accepted >= verified
             )
-        gate, draft = self.draft_gate, True
         if gate is not None:
             self._credit_round(gate, last, batch, started, accepted, num_tokens)
             if counts is not None:

@@ -963,16 +963,17 @@ def _prose_then_code_under_load(gates):
 def test_a_bucket_back_after_a_shift_to_harder_text_restarts_skipping():
     """The drain after the shift: bucket 4, last run on prose, would draft code
     (0.12 tokens per ms against skipping's 0.2) until its own rates learnt it.
-    Acceptance fell to a fifth while it was away: it skips at once, measures
-    drafting afresh after min_interval steps, and keeps skipping."""
+    Acceptance fell to a fifth while it was away: it skips at once, and checks
+    drafting afresh only when skipping at 4 requests would (after 64 steps),
+    then keeps skipping."""
     gates = BatchSizeGates()
     _prose_then_code_under_load(gates)
     modes = _serve_text(
-        gates, 40, b=4, draft_rate=0.12, skip_rate=0.2, first_accept=0.15
+        gates, 100, b=4, draft_rate=0.12, skip_rate=0.2, first_accept=0.15
     )
     gate = gates.gates[4]
     assert gates.shifts == {"fell": 1}
-    assert modes[:7] == [False] * 7  # skipping from the first step back
+    assert modes[:63] == [False] * 63  # skipping from the first step back
     assert 1 <= modes.count(True) <= 4  # one fresh check of drafting
     assert not gate.drafting and gate.draft_rate.ratio() == pytest.approx(0.12)
     stale = BatchSizeGates(accept_drop=0.0)  # off: the old mode
@@ -988,7 +989,9 @@ def test_a_revisited_bucket_that_still_wins_goes_back_to_drafting():
     finds it (0.4 against 0.2 tokens per ms) and drafting resumes."""
     gates = BatchSizeGates()
     _prose_then_code_under_load(gates)
-    modes = _serve_text(gates, 40, b=4, draft_rate=0.4, skip_rate=0.2, first_accept=0.3)
+    modes = _serve_text(
+        gates, 120, b=4, draft_rate=0.4, skip_rate=0.2, first_accept=0.3
+    )
     assert gates.shifts == {"fell": 1} and gates.gates[4].drafting
     assert modes[-20:] == [True] * 20
 
