@@ -355,7 +355,8 @@ class SweepLevels:
         batch, _ = self._level(c)
         params = stream_params(self.workload, 8, output_kind=RequestOutputKind.DELTA)
         batch = batch[:c]
-        serve_in_flight(self.llm.llm_engine, batch, [params] * len(batch), c, "warm")
+        engine = self.llm.llm_engine
+        serve_in_flight(engine, batch, [params] * len(batch), c, f"warm{c}")
 
     def measure(self, c: int) -> None:
         """One timed pass at concurrency C."""
