@@ -54,6 +54,7 @@ _ADAFLASH_VARIANTS = {
     "retire": {"retire_when_skipping": True},  # requests retire where skipping wins
     "noretire": {"retire_when_skipping": False},  # (the default before run 34)
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
+    "paper": {"mode": "paper"},  # the head's rule for budgets, no gate (run 41)
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)
     "never": {},  # cost_aware whose gate never drafts (no_draft with its policy)
     "dipchecks": {},  # the gate before run 22 (_GATE_SETTINGS)
