@@ -127,25 +127,41 @@ def run_offline_config(
                 print("  " + line.rstrip(), flush=True)
         proc.wait()
     job_path.unlink(missing_ok=True)
-    if out.exists():
-        result = json.loads(out.read_text())
-    else:
-        result = new_result(
-            command=command,
-            setup=asdict(setup),
-            workload=job["workload"],
-            config=asdict(config),
-        )
+    result = child_result(out, config, setup, job["workload"], command)
     if proc.returncode != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        result["status"] = "failed"
-        result["error"] = result.get("error") or f"exit code {proc.returncode}"
-        print(
-            f"  [{config.name}] FAILED ({result['error']}); log tail:\n{tail}",
-            flush=True,
-        )
-        save_result(result, out)
+        mark_failed(result, out, config.name, f"exit code {proc.returncode}")
     return result
+
+
+def child_result(
+    out: Path, config: BenchConfig, setup: BenchSetup, wl: dict, command: str
+) -> dict:
+    """What an offline child process saved at `out`, or an empty result where
+    it saved nothing (it failed before its first point)."""
+    if out.exists():
+        return json.loads(out.read_text())
+    return new_result(
+        command=command, setup=asdict(setup), workload=wl, config=asdict(config)
+    )
+
+
+def mark_failed(result: dict, out: Path, name: str, error: str) -> None:
+    """Record a configuration's failure (the child's own error where it saved
+    one, else `error`), print it with the tail of its log (`out` .log), save."""
+    log = out.with_suffix(".log")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    tail = "\n".join(text.splitlines()[-15:])
+    result["status"] = "failed"
+    result["error"] = result.get("error") or error
+    print(f"  [{name}] FAILED ({result['error']}); log tail:\n{tail}", flush=True)
+    save_result(result, out)
+
+
+def turn_order(names: list[str], repeat: int) -> list[str]:
+    """The configurations' order in an interleaved sweep's `repeat`-th round:
+    rotated by one each round, so none always runs first."""
+    shift = repeat % max(1, len(names))
+    return names[shift:] + names[:shift]
 
 
 def _served_result(
@@ -277,8 +293,7 @@ def run_sweep_interleaved(
             runs: dict[str, list[float]] = {name: [] for name in live}
             last: dict[str, tuple] = {}
             for rep in range(repeats):
-                shift = rep % max(1, len(live))
-                for name in live[shift:] + live[:shift]:
+                for name in turn_order(live, rep):
                     tok_s, reqs, summary, extra = measure_level(
                         servers[name], setup.target, batch, level, wl
                     )

@@ -334,8 +334,15 @@ class SweepLevels:
         self.save, self.progress = save, progress
         self.clock = clock or time.perf_counter
         self.passes: dict[int, list[tuple[float, int, dict, dict]]] = {}
+        self._levels: dict[int, tuple[list[str], list]] = {}
 
     def _level(self, c: int) -> tuple[list[str], list]:
+        """Level C's requests and their params (built once per level)."""
+        if c not in self._levels:
+            self._levels[c] = self._build_level(c)
+        return self._levels[c]
+
+    def _build_level(self, c: int) -> tuple[list[str], list]:
         from vllm.sampling_params import RequestOutputKind
 
         from adaflash_vllm.bench.workloads import output_lengths

@@ -28,7 +28,6 @@ from typing import IO, Any
 
 from adaflash_vllm.bench.configs import BenchConfig, BenchSetup
 from adaflash_vllm.bench.offline import DONE, READY
-from adaflash_vllm.bench.results import new_result, save_result
 from adaflash_vllm.bench.workloads import Workload
 
 
@@ -116,7 +115,14 @@ def run_offline_sweep_interleaved(
     a rotating order, then each level's point (the median of its passes). A
     configuration whose engine fails to start, or ends mid-sweep, is reported
     failed with the tail of its log; the others go on."""
-    from adaflash_vllm.bench.harness import engine_env, pinned, workload_json
+    from adaflash_vllm.bench.harness import (
+        child_result,
+        engine_env,
+        mark_failed,
+        pinned,
+        turn_order,
+        workload_json,
+    )
 
     wl = workload_json(workload)
     outs = {c.name: out_dir / f"{c.name.replace(':', '-')}.json" for c in configs}
@@ -166,10 +172,8 @@ def run_offline_sweep_interleaved(
             for name in list(live):
                 call(name, "warm", level)
             for rep in range(repeats):
-                order = list(live)
-                shift = rep % max(1, len(order))
-                for name in order[shift:] + order[:shift]:
-                    if name in live:
+                for name in turn_order(list(live), rep):
+                    if name in live:  # (not one that died this round)
                         call(name, "pass", level)
             for name in list(live):
                 call(name, "point", level)
@@ -180,22 +184,11 @@ def run_offline_sweep_interleaved(
     results = []
     for c in configs:
         outs[c.name].with_suffix(".job.json").unlink(missing_ok=True)
-        result = (
-            json.loads(outs[c.name].read_text())
-            if outs[c.name].exists()
-            else new_result(
-                command=command, setup=asdict(setup), workload=wl, config=asdict(c)
-            )
-        )
+        result = child_result(outs[c.name], c, setup, wl, command)
         error = errors.get(c.name)
         if error is None and codes.get(c.name, 0) != 0:
             error = f"engine process exit code {codes[c.name]}"
         if error is not None:
-            tail = outs[c.name].with_suffix(".log").read_text(errors="replace")
-            tail = "\n".join(tail.splitlines()[-15:])
-            result["status"] = "failed"
-            result["error"] = result.get("error") or error
-            print(f"  [{c.name}] FAILED ({result['error']}); log tail:\n{tail}")
-            save_result(result, outs[c.name])
+            mark_failed(result, outs[c.name], c.name, error)
         results.append(result)
     return results
