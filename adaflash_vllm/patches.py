@@ -113,8 +113,15 @@ W7. `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`
     place (the logits indices are the same, one per request), so the step
     samples and prepares the drafter exactly as a step of plain vLLM decoding
     does (`propose_draft_token_ids` has that branch); the AdaFlash rejection
-    sampler still counts those rounds. Upstream: none filed. Delete if vLLM skips
-    the metadata for steps without drafts.
+    sampler still counts those rounds. When the scheduler gave no request a
+    draft at all (every budget 0: a skipped step's successor) and no KV cache
+    group keeps recurrent state (whose builders read per-step draft counts that
+    only the spec-decode path writes), the original runs with the runner's
+    speculative config hidden, so it takes vLLM's own plain-decoding path and
+    builds no spec-decode metadata (about 40 us per step at one request on a
+    CPU); startup checks that `_prepare_inputs` reads that config only there.
+    Upstream: none filed. Delete if vLLM skips the metadata for steps without
+    drafts.
 W9. `vllm.v1.worker.gpu_model_runner.GPUModelRunner._calc_spec_decode_metadata`
     Why: W7 drops the metadata of a step without drafts, but vLLM has built it
     by then: index arithmetic, five host-to-device copies and two gathers, about
@@ -409,6 +416,7 @@ def apply_worker_patches() -> None:
             "_prepare_inputs",
             ("self", "scheduler_output", "num_scheduled_tokens"),
         )
+        _check_reads_speculative_config_once(orig)
         _install(
             "W7", gmr.GPUModelRunner, "_prepare_inputs", _wrap_prepare_inputs(orig)
         )
@@ -570,8 +578,67 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
     return sample_tokens
 
 
+def _recurrent_state(runner) -> bool | None:
+    """Whether some KV cache group of the runner keeps recurrent state (Mamba,
+    GDN, linear attention, short conv: vLLM's `MambaSpec`), whose metadata
+    builders read per-step draft counts that only vLLM's spec-decode path of
+    `_prepare_inputs` writes. None: no KV cache yet."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    config = getattr(runner, "kv_cache_config", None)
+    if config is None:
+        return None
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = (
+            spec.kv_cache_specs.values()
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else (spec,)
+        )
+        if any(isinstance(s, MambaSpec) for s in specs):
+            return True
+    return False
+
+
+_USE_SPEC_DECODE = "use_spec_decode = self.speculative_config is not None"
+
+
+def _check_reads_speculative_config_once(prepare_inputs: Callable) -> None:
+    """W7 prepares a step without drafts with the runner's speculative config
+    hidden, which is right only while `_prepare_inputs` reads it once, to choose
+    between the plain and the spec-decode path."""
+    source = inspect.getsource(inspect.unwrap(prepare_inputs))
+    if source.count("speculative_config") != 1 or _USE_SPEC_DECODE not in source:
+        raise PatchGuardError(
+            "cannot patch vllm.v1.worker.gpu_model_runner.GPUModelRunner."
+            "_prepare_inputs: it no longer reads the speculative config only in "
+            f"`{_USE_SPEC_DECODE}` (W7 hides that config for steps without drafts)"
+        )
+
+
 def _wrap_prepare_inputs(orig: Callable) -> Callable:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if (
+            # AdaFlash's proposer (a runner without speculative decoding has none)
+            hasattr(getattr(self, "drafter", None), "take_budgets")
+            and not any(scheduler_output.scheduled_spec_decode_tokens.values())
+        ):
+            plain = self.__dict__.get("_adaflash_plain_prepare")
+            if plain is None:
+                recurrent = _recurrent_state(self)
+                plain = recurrent is False
+                if recurrent is not None:  # known once the KV cache is
+                    self._adaflash_plain_prepare = plain
+            if plain:  # no request verifies a draft: prepare as plain decoding
+                speculative, self.speculative_config = self.speculative_config, None
+                try:
+                    out = orig(self, scheduler_output, num_scheduled_tokens)
+                finally:
+                    self.speculative_config = speculative
+                record = getattr(self.rejection_sampler, "record_bonus_only", None)
+                if record is not None:
+                    record(len(num_scheduled_tokens))
+                return out
         logits_indices, spec, max_num_sampled = orig(
             self, scheduler_output, num_scheduled_tokens
         )

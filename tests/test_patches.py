@@ -141,18 +141,102 @@ def test_step_without_drafts_samples_as_plain_decoding():
             max_spec_len=max(num_drafts), num_draft_tokens=list(num_drafts)
         )
 
+    # (a scheduler output that gave drafts: W7 cannot tell them from here)
+    step = SimpleNamespace(scheduled_spec_decode_tokens={"r": [5, 6]})
     runner = SimpleNamespace(drafter=SimpleNamespace(take_budgets=dict))
     runner.rejection_sampler = _Sampler()
     for num_drafts, kept in (([0, 0, 0], False), ([0, 2, 0], True)):
         spec = metadata(num_drafts)
         prepare = patches._wrap_prepare_inputs(lambda *a, spec=spec: ("idx", spec, 1))
-        assert prepare(runner, None, None) == ("idx", spec if kept else None, 1)
+        assert prepare(runner, step, None) == ("idx", spec if kept else None, 1)
     assert runner.rejection_sampler.bonus_only == [3]
     # Another proposer (not AdaFlash's): vLLM's path is left alone.
     spec = metadata([0, 0])
     prepare = patches._wrap_prepare_inputs(lambda *a: ("idx", spec, 1))
     other = SimpleNamespace(drafter=object(), rejection_sampler=_Sampler())
-    assert prepare(other, None, None)[1] is spec
+    assert prepare(other, SimpleNamespace(scheduled_spec_decode_tokens={}), None)[
+        1
+    ] is spec
+
+
+def _kv_cache_config(*specs):
+    groups = [SimpleNamespace(kv_cache_spec=s) for s in specs]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_step_given_no_draft_prepares_as_plain_decoding():
+    """W7: when the scheduler gave no request a draft, the original runs with
+    the speculative config hidden (vLLM's plain path: no spec-decode metadata
+    is built at all) and restored after, the rounds counted; not where a KV
+    cache group keeps recurrent state, nor before the KV cache exists, nor for
+    another proposer."""
+    import numpy as np
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    seen = []
+
+    def orig(runner, scheduler_output, num_scheduled_tokens):
+        seen.append(runner.speculative_config)
+        spec = metadata if runner.speculative_config is not None else None
+        return "idx", spec, 1
+
+    metadata = SimpleNamespace(max_spec_len=0, num_draft_tokens=[0, 0, 0])
+    prepare = patches._wrap_prepare_inputs(orig)
+    no_drafts = SimpleNamespace(scheduled_spec_decode_tokens={})
+    attention = FullAttentionSpec.__new__(FullAttentionSpec)
+    runner = SimpleNamespace(
+        drafter=SimpleNamespace(take_budgets=dict),
+        rejection_sampler=_Sampler(),
+        speculative_config="spec",
+        kv_cache_config=None,
+    )
+    # no KV cache yet: vLLM's spec-decode path (W7 then drops the metadata)
+    assert prepare(runner, no_drafts, np.ones(3)) == ("idx", None, 1)
+    runner.kv_cache_config = _kv_cache_config(attention)
+    assert prepare(runner, no_drafts, np.ones(3)) == ("idx", None, 1)
+    assert seen == ["spec", None] and runner.speculative_config == "spec"
+    assert runner.rejection_sampler.bonus_only == [3, 3]
+    # (an entry without drafts is no draft either)
+    prepare(runner, SimpleNamespace(scheduled_spec_decode_tokens={"r": []}), [1, 1])
+    assert seen[-1] is None and runner.rejection_sampler.bonus_only[-1] == 2
+    # the config comes back even when the original raises
+    broken = patches._wrap_prepare_inputs(lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        broken(runner, no_drafts, np.ones(3))
+    assert runner.speculative_config == "spec"
+    # recurrent state (GDN, Mamba): vLLM's path, which writes its draft counts
+    recurrent = SimpleNamespace(
+        drafter=SimpleNamespace(take_budgets=dict),
+        rejection_sampler=_Sampler(),
+        speculative_config="spec",
+        kv_cache_config=_kv_cache_config(attention, MambaSpec.__new__(MambaSpec)),
+    )
+    seen.clear()
+    assert prepare(recurrent, no_drafts, np.ones(3)) == ("idx", None, 1)
+    assert seen == ["spec"]
+    # another proposer, or none (no speculative decoding): untouched
+    other = SimpleNamespace(
+        drafter=object(), speculative_config="spec", kv_cache_config=None
+    )
+    seen.clear()
+    assert prepare(other, no_drafts, np.ones(3))[1] is metadata and seen == ["spec"]
+    plain = SimpleNamespace(speculative_config=None, kv_cache_config=None)
+    assert prepare(plain, no_drafts, np.ones(3)) == ("idx", None, 1)
+
+
+def test_prepare_inputs_guard_reads_the_speculative_config_once():
+    """W7's startup check: vLLM's `_prepare_inputs` reads the speculative config
+    only to choose its path; a version that reads it elsewhere fails loudly."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    patches._check_reads_speculative_config_once(gmr.GPUModelRunner._prepare_inputs)
+
+    def reads_twice(self, scheduler_output, num_scheduled_tokens):
+        use_spec_decode = self.speculative_config is not None
+        return use_spec_decode, self.speculative_config.method
+
+    with pytest.raises(PatchGuardError, match="_prepare_inputs"):
+        patches._check_reads_speculative_config_once(reads_twice)
 
 
 def test_skipped_step_never_builds_the_drafters_inputs():
