@@ -154,9 +154,10 @@ def test_step_without_drafts_samples_as_plain_decoding():
     spec = metadata([0, 0])
     prepare = patches._wrap_prepare_inputs(lambda *a: ("idx", spec, 1))
     other = SimpleNamespace(drafter=object(), rejection_sampler=_Sampler())
-    assert prepare(other, SimpleNamespace(scheduled_spec_decode_tokens={}), None)[
-        1
-    ] is spec
+    assert (
+        prepare(other, SimpleNamespace(scheduled_spec_decode_tokens={}), None)[1]
+        is spec
+    )
 
 
 def _kv_cache_config(*specs):
