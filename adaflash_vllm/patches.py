@@ -118,8 +118,9 @@ W7. `vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`
     group keeps recurrent state (whose builders read per-step draft counts that
     only the spec-decode path writes), the original runs with the runner's
     speculative config hidden, so it takes vLLM's own plain-decoding path and
-    builds no spec-decode metadata (about 40 us per step at one request on a
-    CPU); startup checks that `_prepare_inputs` reads that config only there.
+    builds no spec-decode metadata (27 us less per step at one request on a
+    CPU, BENCHMARKS.md run 42); startup checks that `_prepare_inputs` reads
+    that config only there.
     Upstream: none filed. Delete if vLLM skips the metadata for steps without
     drafts.
 W9. `vllm.v1.worker.gpu_model_runner.GPUModelRunner._calc_spec_decode_metadata`
