@@ -79,6 +79,11 @@ def engine_env(cores: str | None) -> dict[str, str]:
     return env
 
 
+def result_path(out_dir: Path, name: str) -> Path:
+    """Where a configuration's result JSON goes (its log beside it, `.log`)."""
+    return out_dir / f"{name.replace(':', '-')}.json"
+
+
 def workload_json(workload: Workload) -> dict[str, Any]:
     data = asdict(workload)
     data["concurrencies"] = list(workload.concurrencies)
@@ -268,7 +273,7 @@ def run_sweep_interleaved(
     from adaflash_vllm.serve_process import ServerStartError
 
     wl = workload_json(workload)
-    outs = {c.name: out_dir / f"{c.name.replace(':', '-')}.json" for c in configs}
+    outs = {c.name: result_path(out_dir, c.name) for c in configs}
     results = {c.name: _served_result(c, setup, workload, command) for c in configs}
     servers = {}
     try:
@@ -371,7 +376,7 @@ def run_benchmark(
     results = []
     for i, config in enumerate(configs, start=1):
         print(f"[{i}/{len(configs)}] {config.name}", flush=True)
-        out = out_dir / f"{config.name.replace(':', '-')}.json"
+        out = result_path(out_dir, config.name)
         result = runner(
             config,
             setup=setup,

@@ -120,12 +120,13 @@ def run_offline_sweep_interleaved(
         engine_env,
         mark_failed,
         pinned,
+        result_path,
         turn_order,
         workload_json,
     )
 
     wl = workload_json(workload)
-    outs = {c.name: out_dir / f"{c.name.replace(':', '-')}.json" for c in configs}
+    outs = {c.name: result_path(out_dir, c.name) for c in configs}
     children: dict[str, OfflineEngineProcess] = {}
     logs: dict[str, IO[str]] = {}
     errors: dict[str, str] = {}
