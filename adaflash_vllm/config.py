@@ -74,6 +74,12 @@ class LengthConfig(_Struct):
     # drafter context). False keeps the hit, as plain vLLM does; the request
     # drafts over the holes. Follow-up turns at 2 requests after a burst of 64:
     # keeping ran 1.05 +- 0.07x as fast as cutting (BENCHMARKS.md run 35).
+    steady_skip: bool = True
+    # with retire_when_skipping, from 8 requests on: while the engine retires,
+    # the gate follows skipping and its next check of drafting is not due, a
+    # skipped step only counts itself and marks its holes; the gate's rates and
+    # the cost curve learn from such steps once, when the state ends
+    # (steady_skip.py).
 
 
 class AdmissionConfig(_Struct):

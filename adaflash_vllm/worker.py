@@ -114,6 +114,12 @@ class AdaFlashWorkerExtension:
                 else None
             ),
             "block_length": block.to_dict() if block is not None else None,
+            # the steady skipping state (length.steady_skip): times it started,
+            # skipped steps on its short path
+            "steady_skip": {
+                "entries": getattr(drafter, "steady_entries", 0),
+                "steps": getattr(drafter, "steady_steps", 0),
+            },
             "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }
 

@@ -20,6 +20,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 (chosen budgets never cap the drafter's block, as before run 32), `adaflash:noskip`
 (`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`,
 the default since run 34; `adaflash:noretire` sets it false),
+`adaflash:nosteady` (`steady_skip: false`: every skipped step in full, as
+before run 43),
 `adaflash:eagerchecks` (the draft gate's checks of drafting under load
 not spaced by what they lose, as before run 31),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
@@ -53,6 +55,7 @@ _ADAFLASH_VARIANTS = {
     "noskip": {"skip_drafting": False},
     "retire": {"retire_when_skipping": True},  # requests retire where skipping wins
     "noretire": {"retire_when_skipping": False},  # (the default before run 34)
+    "nosteady": {"steady_skip": False},  # every skipped step in full (before run 43)
     "fixed": {"mode": "fixed"},  # AdaFlash's machinery, every request verifies K
     "paper": {"mode": "paper"},  # the head's rule for budgets, no gate (run 41)
     "z2": {},  # the gate switching only past 2 standard errors (_GATE_SETTINGS)

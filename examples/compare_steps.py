@@ -387,6 +387,7 @@ def main() -> None:
                 },
                 "budget_use": state.get("budget_use"),
                 "retired": state.get("retired"),  # retire_when_skipping's counts
+                "steady_skip": state.get("steady_skip"),  # entries, short steps
                 # rounds by drafts verified (index j: j drafts), every step
                 "verify_hist": llm.collective_rpc("adaflash_sampler_stats")[0].get(
                     "verify_hist"

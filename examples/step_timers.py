@@ -55,6 +55,8 @@ DRAFTER = (
     "_remember_propose",
     "_write_deferred_context",
     "_skip_drafting",
+    "_skip_steadily",
+    "_leave_steady",
     "_retire_rows",
     "_every_row_retired",
     "note_schedule",

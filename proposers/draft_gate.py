@@ -362,6 +362,26 @@ class DraftGate:
             m[1] += a * (r - m[1])
             m[2] += a * (r * r - m[2])
 
+    def record_skipped_rounds(
+        self, *, rounds: int, tokens: float, ms: float, rate: float, rate_sq: float
+    ) -> None:
+        """`rounds` skipped rounds at once (steady_skip.py), as that many
+        `record_round(drafted=False)` would record them, each weighted alike:
+        their mean `tokens` and `ms`, and the mean of their per-round rates
+        (tokens per ms) and of its square, for the rate's noise."""
+        if rounds <= 0 or ms <= 0:
+            return
+        self._credit_check(False, None)
+        self.skip_rate.add_many(tokens, ms, rounds)
+        self.skip_measured_at = self.step
+        if self.plain_ms is not None:
+            self.skip_plain_ms.add_many(self.plain_ms, 1.0, rounds)
+        m = self.rate_moments[False]
+        a = running_weight(self.ema, m[0] + rounds, rounds)
+        m[0] += rounds
+        m[1] += a * (rate - m[1])
+        m[2] += a * (rate_sq - m[2])
+
     def _credit_check(self, drafted: bool, gain: float | None) -> None:
         """A round for the check of drafting in progress (`check_value`): a
         drafting round adds its `gain` (its tokens less skipping's in its time;

@@ -41,6 +41,7 @@ from adaflash_vllm.proposers.length_head import (
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from adaflash_vllm.proposers.retired_context import RetiredContext
 from adaflash_vllm.proposers.row_max import first_argmax
+from adaflash_vllm.proposers.steady_skip import SteadySkip
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -190,6 +191,12 @@ class AdaFlashProposer(DFlashProposer):
         self._holes_retiring = False  # `retiring` as last sent (take_holes)
         self.cut_holey_prefix_hits = False  # length.cut_holey_prefix_hits
         self._holes_cut = False  # ... as last sent (take_holes)
+        # length.steady_skip: skipped steps on the short path while the gate
+        # and retiring are steady (steady_skip.py); the state, while in it
+        self.steady_skip = False
+        self._steady: SteadySkip | None = None
+        self.steady_entries = 0  # times the state started
+        self.steady_steps = 0  # skipped steps on its short path
         self._budgets: dict[str, int] | None = None
         self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -233,6 +240,7 @@ class AdaFlashProposer(DFlashProposer):
                 length.retire_when_skipping and self.draft_gate is not None
             )
             self.cut_holey_prefix_hits = length.cut_holey_prefix_hits
+            self.steady_skip = length.steady_skip
             if length.mode == "cost_aware" and length.adaptive_block:
                 self.block_length = BlockLength(
                     full=self.num_speculative_tokens, k_min=length.k_min
@@ -422,11 +430,26 @@ class AdaFlashProposer(DFlashProposer):
         only what the skipped step needs, (positions [T], target features [T,
         ...]). Returns the step's placeholders (an empty draft per request), or
         None after keeping the step's opening for the `propose` that follows (the
-        gate said draft, or there is no gate)."""
+        gate said draft, or there is no gate). In the steady skipping state
+        (steady_skip.py) a skipped step takes the short path instead of the
+        opening."""
         self._opened = None
+        num_reqs = common_attn_metadata.batch_size()
+        steady = self._steady
+        if steady is not None:
+            if (
+                self.captures is None
+                and self.timeline is None
+                and self.retire_when_skipping
+                and steady.holds(num_reqs)
+            ):
+                return self._skip_steadily(
+                    steady, num_reqs, num_tokens, common_attn_metadata
+                )
+            self._leave_steady()
         if self.draft_gate is None or self._runner is None or self.captures is not None:
             return None
-        opened = self._open_step(common_attn_metadata.batch_size(), num_tokens)
+        opened = self._open_step(num_reqs, num_tokens)
         if opened.draft:
             self._opened = opened
             return None
@@ -444,12 +467,72 @@ class AdaFlashProposer(DFlashProposer):
             num_context=num_tokens,
             every_row_retired=every_row_retired,
         )
+        if every_row_retired and self._steady_from_here():
+            self._steady = SteadySkip.enter(
+                self.draft_gate,
+                req_ids=opened.req_ids,
+                started=opened.started,
+                ended=self._last_propose.ended,
+            )
+            self.steady_entries += self._steady is not None
         # The runner's own placeholder form: nothing is copied back or read
         # (every budget is 0: `take_draft_token_ids` returns None, W2).
         return [[] for _ in opened.req_ids]
 
+    def _steady_from_here(self) -> bool:
+        """Whether the steady skipping state may start after this skipped step
+        (`length.steady_skip`, the engine retiring; not while a timeline is
+        recorded: the short path records no events). `SteadySkip.enter` checks
+        the gate."""
+        return self.steady_skip and self.timeline is None and self._retiring_now()
+
+    def _skip_steadily(
+        self, steady: SteadySkip, num_reqs: int, num_tokens: int, cad
+    ) -> list[list[int]]:
+        """A skipped step in the steady skipping state (steady_skip.py): counted
+        on the gate, its context tokens retired (as `_retire_rows` retires every
+        row), every budget 0. Returns `propose_early`'s placeholders."""
+        started = time.perf_counter()
+        req_ids = self._runner.input_batch.req_ids[:num_reqs]
+        same = req_ids == steady.req_ids
+        if not same:  # a request finished or arrived (or the order changed)
+            batch, last = frozenset(req_ids), self._steady_last(steady)
+            same = batch == last.batch
+            if not same:  # its round credited as a full step credits it
+                self._credit_round(steady, last, batch, started, 0, num_tokens)
+        steady.skip(req_ids, num_tokens, started, same)
+        self.steady_steps += 1
+        self._retire_every_row(req_ids, cad.slot_mapping[:num_tokens])
+        self._budgets = dict.fromkeys(req_ids, 0)
+        steady.end_step(self._synced_clock())
+        return [[] for _ in req_ids]
+
+    def _leave_steady(self) -> None:
+        """End the steady skipping state: fold what its steps measured into the
+        gate and the cost curve, and keep its last step as the last propose (the
+        next full step credits that step's round and times its cost)."""
+        steady, self._steady = self._steady, None
+        if steady is None:
+            return
+        steady.fold(self.cost_model)
+        self._last_propose = self._steady_last(steady)
+
+    @staticmethod
+    def _steady_last(steady: SteadySkip) -> _Propose:
+        """The steady state's last step, as `_remember_propose` keeps a full
+        skipped step (after a skipped one)."""
+        return _Propose(
+            steady.started,
+            steady.ended,
+            frozenset(steady.req_ids),
+            False,
+            False,
+            dict.fromkeys(steady.req_ids, 0),
+        )
+
     @override
     def propose(self, *args, **kwargs) -> torch.Tensor:
+        self._leave_steady()  # (propose_early has, unless it did not run)
         opened, self._opened = self._opened, None  # from propose_early, this step
         cad = kwargs.get("common_attn_metadata")  # vLLM passes keywords only
         if opened is None and (
@@ -668,10 +751,7 @@ class AdaFlashProposer(DFlashProposer):
             retired = self.retired = RetiredContext(self.block_size)
         total = slots.shape[0]
         if every_row_retired:  # the steady state under load
-            if retired.retired:
-                retired.forget_finished(req_ids)
-            retired.dropped_tokens += total
-            retired.retire(req_ids, slots.tolist())
+            self._retire_every_row(req_ids, slots)
             return slots.new_empty(0, dtype=torch.long)
         if not retired.retired:
             retired.kept_tokens += total
@@ -693,6 +773,15 @@ class AdaFlashProposer(DFlashProposer):
         )
         return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
 
+    def _retire_every_row(self, req_ids: list[str], slots: torch.Tensor) -> None:
+        """Every request of a skipped step retires, and its context tokens'
+        cache `slots` ([T]) are holes (`self.retired` exists)."""
+        retired = self.retired
+        if retired.retired:
+            retired.forget_finished(req_ids)
+        retired.dropped_tokens += slots.shape[0]
+        retired.retire(req_ids, slots.tolist())
+
     def _every_row_retired(self, req_ids: Collection[str]) -> bool:
         """Whether no row of this skipped step keeps its upkeep: the engine
         retires now, or every request of the step is retired already (a check
@@ -712,7 +801,7 @@ class AdaFlashProposer(DFlashProposer):
         to clear of retired requests."""
         if not self.retire_when_skipping:
             return False
-        if self.retire_always:
+        if self.retire_always or self._steady is not None:  # (steady: unchanged)
             return True
         current = getattr(self.draft_gate, "current", None)
         return (
@@ -1059,8 +1148,13 @@ class AdaFlashProposer(DFlashProposer):
     def exclude_gap(self, seconds: float) -> None:
         """Benchmarks that interleave several engines' steps in one process: this
         engine sat idle for `seconds` since its last step ended (others ran).
-        Shift the last propose's clock by that much, so that the round it opened
-        and the step cost measured from its end leave the idle time out."""
+        Shift the last propose's clock by that much (the steady skipping
+        state's last step too, while in it), so that the round it opened and
+        the step cost measured from its end leave the idle time out."""
+        steady = self._steady
+        if steady is not None and seconds > 0:
+            steady.started += seconds
+            steady.ended += seconds
         last = self._last_propose
         if last is not None and seconds > 0:
             self._last_propose = last._replace(

@@ -38,6 +38,16 @@ class RatioEMA:
         self.den += a * (den - self.den)
         self.count += 1
 
+    def add_many(self, num: float, den: float, n: int) -> None:
+        """`n` observations at once, each of mean `num` and `den` (weighted
+        alike among themselves: `running_weight` of `n` new ones)."""
+        if n <= 0:
+            return
+        a = running_weight(self.ema, self.count + n, n)
+        self.num += a * (num - self.num)
+        self.den += a * (den - self.den)
+        self.count += n
+
     def ratio(self) -> float | None:
         """num / den, or None before any observation (or while den <= 0)."""
         return self.num / self.den if self.count and self.den > 0 else None

@@ -106,6 +106,7 @@ def _retiring_proposer(decisive: bool):
         retire_when_skipping=True,
         retire_always=False,
         retired=None,
+        _steady=None,  # (the steady skipping state: tests/test_steady_skip.py)
         block_size=4,
         draft_gate=types.SimpleNamespace(
             record_skip=lambda ms: None,
@@ -128,6 +129,9 @@ def _retiring_proposer(decisive: bool):
         ),
     )
     proposer._retire_rows = lambda *a: AdaFlashProposer._retire_rows(proposer, *a)
+    proposer._retire_every_row = lambda *a: AdaFlashProposer._retire_every_row(
+        proposer, *a
+    )
     proposer._retiring_now = lambda: AdaFlashProposer._retiring_now(proposer)
     proposer._every_row_retired = lambda ids: AdaFlashProposer._every_row_retired(
         proposer, ids

@@ -93,7 +93,7 @@ def test_an_excluded_gap_leaves_the_round_and_the_step_cost():
     """exclude_gap (engines stepped in turn in one process): the 30 ms this engine
     sat idle come out of the round it credits (start to start) and out of the
     step cost measured from the last propose's end; nothing before a propose."""
-    proposer = types.SimpleNamespace(_last_propose=None)
+    proposer = types.SimpleNamespace(_last_propose=None, _steady=None)
     AdaFlashProposer.exclude_gap(proposer, 0.03)
     assert proposer._last_propose is None
     proposer._last_propose = _Propose(10.0, 10.002, frozenset({"a"}), True)

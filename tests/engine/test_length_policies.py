@@ -170,6 +170,41 @@ def test_kv_pressure_and_token_budget(tiny, tiny_head_drafter, baseline):
     assert m["vllm:adaflash_requests_finished"] == len(PROMPTS)
 
 
+def test_steady_skipping_is_lossless_and_counted(tiny, tiny_head_drafter, baseline):
+    """A draft gate that follows skipping with no check of drafting ever due, in
+    an engine that retires: skipped steps take the steady state's short path
+    (proposers/steady_skip.py). Output token-identical to plain vLLM, the
+    gate's counters on /metrics exact; once the gate drafts again (retiring
+    off) the state ends, requests draft, and the output is still identical."""
+    spec = tiny.spec(
+        k=K,
+        model=str(tiny_head_drafter),
+        adaflash={"length": {"mode": "cost_aware", "k_min": 0}},
+    )
+    llm = make_llm(tiny.target, spec)
+    never = {"explore_at": 10**9}
+    try:
+        llm.collective_rpc("adaflash_debug_gate", args=({**never, "drafting": 0},))
+        llm.collective_rpc("adaflash_debug_retire", args=(True, True))
+        skipping = greedy(llm, PROMPTS)
+        state = llm.collective_rpc("adaflash_budget_state")[0]
+        m = metrics(llm)
+        llm.collective_rpc("adaflash_debug_retire", args=(False,))
+        llm.collective_rpc("adaflash_debug_gate", args=({**never, "drafting": 1},))
+        drafting = greedy(llm, PROMPTS)
+        after = metrics(llm)
+    finally:
+        shutdown(llm)
+    assert skipping == baseline["greedy"] and drafting == baseline["greedy"]
+    steady, gate = state["steady_skip"], state["draft_gate"]
+    assert steady["entries"] >= 1 and steady["steps"] > len(PROMPTS), steady
+    assert gate["drafted_steps"] == 0 and gate["skipped_steps"] > steady["steps"]
+    assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
+    assert m["vllm:spec_decode_num_draft_tokens"] == 0
+    assert after["vllm:spec_decode_num_draft_tokens"] > 0
+    assert after["vllm:adaflash_draft_gate_drafted_steps"] > 0
+
+
 def test_head_checkpoint_loads_in_stock_vllm(tiny, tiny_head_drafter, baseline):
     """Stock vLLM DFlash (no AdaFlash) loads the checkpoint with a length head."""
     llm = make_llm(tiny.target, tiny.spec(k=K, model=str(tiny_head_drafter)))
