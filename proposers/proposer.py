@@ -41,7 +41,7 @@ from adaflash_vllm.proposers.length_head import (
 from adaflash_vllm.proposers.model import ADAFLASH_ARCH
 from adaflash_vllm.proposers.retired_context import RetiredContext
 from adaflash_vllm.proposers.row_max import first_argmax
-from adaflash_vllm.proposers.steady_skip import SteadySkip
+from adaflash_vllm.proposers.steady_skip import MIN_BATCH, SteadySkip
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -467,7 +467,7 @@ class AdaFlashProposer(DFlashProposer):
             num_context=num_tokens,
             every_row_retired=every_row_retired,
         )
-        if every_row_retired and self._steady_from_here():
+        if every_row_retired and self._steady_from_here(len(opened.req_ids)):
             self._steady = SteadySkip.enter(
                 self.draft_gate,
                 req_ids=opened.req_ids,
@@ -479,12 +479,17 @@ class AdaFlashProposer(DFlashProposer):
         # (every budget is 0: `take_draft_token_ids` returns None, W2).
         return [[] for _ in opened.req_ids]
 
-    def _steady_from_here(self) -> bool:
+    def _steady_from_here(self, num_reqs: int) -> bool:
         """Whether the steady skipping state may start after this skipped step
-        (`length.steady_skip`, the engine retiring; not while a timeline is
-        recorded: the short path records no events). `SteadySkip.enter` checks
-        the gate."""
-        return self.steady_skip and self.timeline is None and self._retiring_now()
+        of `num_reqs` requests (`length.steady_skip`, `MIN_BATCH`, the engine
+        retiring; not while a timeline is recorded: the short path records no
+        events). `SteadySkip.enter` checks the gate."""
+        return (
+            self.steady_skip
+            and num_reqs >= MIN_BATCH
+            and self.timeline is None
+            and self._retiring_now()
+        )
 
     def _skip_steadily(
         self, steady: SteadySkip, num_reqs: int, num_tokens: int, cad
