@@ -69,9 +69,9 @@ class SteadySkip:
     started: float  # perf_counter when the last step's propose started ...
     ended: float  # ... and ended
     steps: int = 0  # short-path steps so far
-    # rounds whose batch did not change (their tokens emitted and ms, start to
-    # start; the sums of their rates in tokens per ms and of its square), for
-    # the skipping rate and its noise
+    # rounds credited (their tokens emitted and ms, start to start, a changed
+    # batch's prompts taken out; the sums of their rates in tokens per ms and
+    # of its square), for the skipping rate and its noise
     rounds: int = 0
     round_tokens: float = 0.0
     round_ms: float = 0.0
