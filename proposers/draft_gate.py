@@ -349,18 +349,13 @@ class DraftGate:
                 and self.run_value is not None
             ):
                 self.run_value += gain
-            (self.draft_rate if drafted else self.skip_rate).add(tokens, ms)
+            r = tokens / ms
             if drafted:
+                self.draft_rate.add(tokens, ms)
                 self.draft_rate_slow.add(tokens, ms)
+                self._add_rate_moments(True, r, r * r, 1)
             else:
-                self.skip_measured_at = self.step
-                if self.plain_ms is not None:
-                    self.skip_plain_ms.add(self.plain_ms, 1.0)
-            m = self.rate_moments[drafted]
-            r, a = tokens / ms, running_weight(self.ema, m[0] + 1)
-            m[0] += 1
-            m[1] += a * (r - m[1])
-            m[2] += a * (r * r - m[2])
+                self._add_skipped_rounds(1, tokens, ms, r, r * r)
 
     def record_skipped_rounds(
         self, *, rounds: int, tokens: float, ms: float, rate: float, rate_sq: float
@@ -372,13 +367,28 @@ class DraftGate:
         if rounds <= 0 or ms <= 0:
             return
         self._credit_check(False, None)
-        self.skip_rate.add_many(tokens, ms, rounds)
+        self._add_skipped_rounds(rounds, tokens, ms, rate, rate_sq)
+
+    def _add_skipped_rounds(
+        self, n: int, tokens: float, ms: float, rate: float, rate_sq: float
+    ) -> None:
+        """`n` skipped rounds of mean `tokens` and `ms` (per-round rates of mean
+        `rate` and mean square `rate_sq`) into skipping's rate, its noise and
+        the plain step cost it was measured at."""
+        self.skip_rate.add_many(tokens, ms, n)
         self.skip_measured_at = self.step
         if self.plain_ms is not None:
-            self.skip_plain_ms.add_many(self.plain_ms, 1.0, rounds)
-        m = self.rate_moments[False]
-        a = running_weight(self.ema, m[0] + rounds, rounds)
-        m[0] += rounds
+            self.skip_plain_ms.add_many(self.plain_ms, 1.0, n)
+        self._add_rate_moments(False, rate, rate_sq, n)
+
+    def _add_rate_moments(
+        self, drafted: bool, rate: float, rate_sq: float, n: int
+    ) -> None:
+        """`n` rounds of a mode, per-round rates of mean `rate` and mean square
+        `rate_sq`, into the EMAs of its rate and squared rate (`rate_noise`)."""
+        m = self.rate_moments[drafted]
+        a = running_weight(self.ema, m[0] + n, n)
+        m[0] += n
         m[1] += a * (rate - m[1])
         m[2] += a * (rate_sq - m[2])
 

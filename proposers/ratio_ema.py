@@ -33,10 +33,7 @@ class RatioEMA:
     count: int = 0
 
     def add(self, num: float, den: float) -> None:
-        a = running_weight(self.ema, self.count + 1)
-        self.num += a * (num - self.num)
-        self.den += a * (den - self.den)
-        self.count += 1
+        self.add_many(num, den, 1)
 
     def add_many(self, num: float, den: float, n: int) -> None:
         """`n` observations at once, each of mean `num` and `den` (weighted

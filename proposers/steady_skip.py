@@ -120,7 +120,6 @@ class SteadySkip:
         return (
             bucket == self.bucket
             and num_reqs >= MIN_BATCH
-            and gates.current is gate
             and not gate.drafting
             and 4 * num_reqs > 3 * gate.switch_batch  # else: "batch_shrank"
             and 3 * gate.slow_batch <= 4 * num_reqs <= 5 * gate.slow_batch
