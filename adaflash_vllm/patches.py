@@ -143,6 +143,24 @@ W8. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`
     Sync scheduling and the padded drafter batch only (the only setup AdaFlash
     runs: async scheduling reads the next-token counts this skips). Upstream:
     none. Delete with the draft gate.
+W10. `GPUModelRunner.execute_model` / `sample_tokens` (W4 / W5's wrappers)
+    Why: in the draft gate's steady skipping state (proposers/steady_skip.py)
+    a step verifies no draft, reads nothing of the target for the drafter
+    (every request is retired) and only counts itself; still the runner ran
+    vLLM's spec-decode step around it (the drafter's attention metadata, the
+    drafting branch of `sample_tokens`, the connector's deferred finalize,
+    the placeholders' clamp): 1.5-2% of a step at 16 requests on a CPU
+    (BENCHMARKS.md run 44).
+    How: when `AdaFlashProposer.plain_step` says the coming step is such a
+    step, W4 hides the runner's speculative config from that step (from
+    `execute_model` through `sample_tokens`, restored whatever happens), so it
+    runs vLLM's plain decoding step; W5 then hands the proposer the step's
+    requests and the drafter's cache slots of its tokens (`end_plain_step`:
+    the short path `propose_early` would have run). Only without recurrent
+    state (as W7) and with sync scheduling. Startup checks that every runner
+    method reading that config reads it only in the lines known to leave a
+    step without drafts as plain decoding (or is not called in a step).
+    Upstream: none. Delete with the steady skipping state.
 
 W3. CPU override of `vllm.v1.sample.rejection_sampler.expand_kernel`
     (`vllm.utils.cpu_triton_utils._expand_kernel_impl`, vLLM's kernel registry)
@@ -405,6 +423,7 @@ def apply_worker_patches() -> None:
             "execute_model",
             ("self", "scheduler_output", "intermediate_tensors"),
         )
+        _check_step_reads_of_speculative_config(gmr.GPUModelRunner)  # W10
         _install("W4", gmr.GPUModelRunner, "execute_model", _wrap_execute_model(orig))
     if not is_applied("W5"):
         orig = _check_signature(
@@ -544,14 +563,60 @@ def _wrap_execute_model(orig: Callable) -> Callable:
         note = getattr(drafter, "note_schedule", None)
         if note is not None:  # blocks allocated this step (retired_context.py)
             note(scheduler_output)
-        return orig(self, scheduler_output, intermediate_tensors)
+        if not _runs_plain(self, drafter, scheduler_output):
+            return orig(self, scheduler_output, intermediate_tensors)
+        # W10: a skipped step of the steady state runs as plain decoding
+        speculative, self.speculative_config = self.speculative_config, None
+        try:
+            output = orig(self, scheduler_output, intermediate_tensors)
+        except BaseException:
+            self.speculative_config = speculative
+            raise
+        if output is not None or self.execute_model_state is None:
+            self.speculative_config = speculative  # no sample_tokens follows
+        else:  # sample_tokens restores it
+            self._adaflash_plain = (speculative, scheduler_output)
+        return output
 
     return execute_model
 
 
+def _runs_plain(runner, drafter, scheduler_output) -> bool:
+    """W10: whether this step runs as plain decoding (see the module)."""
+    plain_step = getattr(drafter, "plain_step", None)
+    if plain_step is None or runner.valid_sampled_token_count_event is not None:
+        return False
+    if runner.__dict__.get("_adaflash_plain_prepare") is not True:
+        if _recurrent_state(runner) is not False:
+            return False
+        runner._adaflash_plain_prepare = True
+    return plain_step(scheduler_output)
+
+
+def _end_plain_step(runner, scheduler_output) -> None:
+    """W10, after the plain step's `sample_tokens`: the proposer's short path,
+    with the drafter's cache slots of the step's tokens."""
+    drafter = runner.drafter
+    num_tokens = scheduler_output.total_num_scheduled_tokens
+    block_table = runner.input_batch.block_table[max(drafter.kv_cache_gid, 0)]
+    drafter.end_plain_step(
+        len(scheduler_output.num_scheduled_tokens),
+        num_tokens,
+        block_table.slot_mapping.gpu[:num_tokens],
+    )
+
+
 def _wrap_sample_tokens(orig: Callable) -> Callable:
     def sample_tokens(self, grammar_output):
-        output = orig(self, grammar_output)
+        plain = self.__dict__.pop("_adaflash_plain", None)
+        if plain is None:
+            output = orig(self, grammar_output)
+        else:  # W10
+            try:
+                output = orig(self, grammar_output)
+            finally:
+                self.speculative_config = plain[0]
+            _end_plain_step(self, plain[1])
         result = self.__dict__.pop("_adaflash_swap_result", None)
         if result is not None and output is not None:
             output.adaflash_swap_result = result
@@ -602,6 +667,80 @@ def _recurrent_state(runner) -> bool | None:
 
 
 _USE_SPEC_DECODE = "use_spec_decode = self.speculative_config is not None"
+
+# W10: the runner's methods that read its speculative config, each with the
+# lines that do, for a step in which no request verifies a draft, the model
+# keeps no recurrent state and the method is not ngram: each then leaves the
+# step as plain decoding (no spec-decode attention metadata, the drafting
+# branch not taken, the connector finalized in the forward, no placeholder
+# to clamp) ...
+_STEP_READS_OF_SPECULATIVE_CONFIG = {
+    "execute_model": (
+        "self.speculative_config is not None",
+        "and self.speculative_config.use_ngram_gpu()",
+        _USE_SPEC_DECODE,
+        "defer_kv_connector_finalize = self.speculative_config is not None",
+    ),
+    "_update_states": (
+        "self.speculative_config is not None",
+        "and self.speculative_config.use_ngram_gpu()",
+    ),
+    "_prepare_inputs": (_USE_SPEC_DECODE,),
+    "_preprocess": ("if self.speculative_config is not None:",),
+    "_build_attention_metadata": (
+        "if self.speculative_config and spec_decode_common_attn_metadata is None:",
+        "if self.speculative_config and isinstance(self.drafter, Step3p5MTPProposer):",
+        "elif self.speculative_config and isinstance(self.drafter, Gemma4Proposer):",
+    ),
+    "_update_states_after_model_execute": (
+        "if not self.speculative_config or not self.model_config.is_hybrid:",
+    ),
+    "_get_mamba_bufs": (
+        "self.speculative_config is not None and self.model_config.is_hybrid",
+    ),
+    "sample_tokens": ("spec_config = self.speculative_config",),
+}
+# ... and those that read it but do not run in a decode step (set-up, dummy
+# runs, or only in the drafting branch that a plain step does not take)
+_NOT_IN_A_STEP = frozenset(
+    {
+        "__init__",
+        "_check_and_update_cudagraph_mode",
+        "_dummy_run",
+        "_dummy_sampler_run",
+        "_get_eagle3_aux_layers_from_config",
+        "_input_fits_in_drafter",
+        "initialize_kv_cache",
+        "initialize_kv_cache_tensors",
+        "initialize_metadata_builders",
+        "load_model",
+        "propose_draft_token_ids",
+        "update_max_model_len",
+    }
+)
+
+
+def _check_step_reads_of_speculative_config(runner_cls: type) -> None:
+    """W10 hides the runner's speculative config for a whole step, which is
+    right only while each of its reads is one `_STEP_READS_OF_SPECULATIVE_
+    CONFIG` lists (or in a method `_NOT_IN_A_STEP`)."""
+    for name, method in inspect.getmembers(runner_cls, inspect.isfunction):
+        try:
+            source = inspect.getsource(inspect.unwrap(method))
+        except (OSError, TypeError):
+            continue
+        if name in _NOT_IN_A_STEP or "speculative_config" not in source:
+            continue
+        known = _STEP_READS_OF_SPECULATIVE_CONFIG.get(name, ())
+        for line in source.splitlines():
+            line = line.strip()
+            if "speculative_config" in line and line not in known:
+                raise PatchGuardError(
+                    f"cannot patch {runner_cls.__module__}.{runner_cls.__name__}"
+                    f".execute_model (W10): {name} reads the speculative config in "
+                    f"`{line}`, which W10 does not know (it hides that config for "
+                    "steps of the steady skipping state)"
+                )
 
 
 def _check_reads_speculative_config_once(prepare_inputs: Callable) -> None:

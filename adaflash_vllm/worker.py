@@ -115,10 +115,11 @@ class AdaFlashWorkerExtension:
             ),
             "block_length": block.to_dict() if block is not None else None,
             # the steady skipping state (length.steady_skip): times it started,
-            # skipped steps on its short path
+            # skipped steps on its short path, those run as plain decoding (W10)
             "steady_skip": {
                 "entries": getattr(drafter, "steady_entries", 0),
                 "steps": getattr(drafter, "steady_steps", 0),
+                "plain_steps": getattr(drafter, "plain_steps", 0),
             },
             "draft_round_trips": patches.draft_round_trips(self.model_runner),
         }
@@ -194,6 +195,17 @@ class AdaFlashWorkerExtension:
             raise ValueError("no adaptive block length in this engine")
         block.capping = bool(enable)
         return block.capping
+
+    def adaflash_debug_steady_plain(self, enable: bool) -> bool:
+        """Experiments (examples/compare_no_draft.py `adaflash:noplain`): with
+        False, the steady skipping state's steps go through the runner's
+        spec-decode path instead of running as plain decoding (patches.py
+        W10). Returns whether they run as plain decoding now."""
+        drafter = self.model_runner.drafter
+        if not hasattr(drafter, "steady_plain"):
+            raise ValueError("no AdaFlash proposer in this engine")
+        drafter.steady_plain = bool(enable)
+        return drafter.steady_plain
 
     def adaflash_debug_gate(self, settings: dict[str, float]) -> dict[str, Any]:
         """Experiments: set draft-gate parameters (`DraftGate` fields such as

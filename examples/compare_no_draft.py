@@ -21,7 +21,8 @@ by the demo, gate on), `adaflash:adaptive_block` (the same with
 (`skip_drafting: false`), `adaflash:retire` (`retire_when_skipping: true`,
 the default since run 34; `adaflash:noretire` sets it false),
 `adaflash:nosteady` (`steady_skip: false`: every skipped step in full, as
-before run 43),
+before run 43), `adaflash:noplain` (steady skipped steps through the runner's
+spec-decode path, not as plain decoding steps: as before run 44),
 `adaflash:eagerchecks` (the draft gate's checks of drafting under load
 not spaced by what they lose, as before run 31),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
@@ -65,6 +66,7 @@ _ADAFLASH_VARIANTS = {
     "explored": {},  # checks of skipping explore it (before run 23)
     "nohist": {},  # the length head never reads the previous round
     "nocap": {},  # chosen budgets never cap the block (before run 32)
+    "noplain": {},  # steady skipped steps through the spec-decode path (run 43)
     "slow01": {},  # long-run rate over ~100 one-request rounds at every B
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
     "slowb1": {},  # long-run rate over ~13 rounds at two requests (before run 36)
@@ -213,6 +215,8 @@ def _engine(config: str, concurrency: int, log_stats: bool = False):
         llm.collective_rpc("adaflash_debug_head_history", args=(False,))
     if "nocap" in parts:
         llm.collective_rpc("adaflash_debug_block_cap", args=(False,))
+    if "noplain" in parts:
+        llm.collective_rpc("adaflash_debug_steady_plain", args=(False,))
     return llm
 
 

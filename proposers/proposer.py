@@ -197,6 +197,11 @@ class AdaFlashProposer(DFlashProposer):
         self._steady: SteadySkip | None = None
         self.steady_entries = 0  # times the state started
         self.steady_steps = 0  # skipped steps on its short path
+        # ... of which the runner ran as plain decoding steps (patches.py W10;
+        # `steady_plain` False: measurements only, every one through the
+        # runner's spec-decode path)
+        self.steady_plain = True
+        self.plain_steps = 0
         self._budgets: dict[str, int] | None = None
         self.history_steps = 0  # choices whose head read the previous round
         self.captures: list[dict] | None = None  # debug: see capture_drafts()
@@ -437,14 +442,12 @@ class AdaFlashProposer(DFlashProposer):
         num_reqs = common_attn_metadata.batch_size()
         steady = self._steady
         if steady is not None:
-            if (
-                self.captures is None
-                and self.timeline is None
-                and self.retire_when_skipping
-                and steady.holds(num_reqs)
-            ):
+            if self._steady_holds(num_reqs):
                 return self._skip_steadily(
-                    steady, num_reqs, num_tokens, common_attn_metadata
+                    steady,
+                    num_reqs,
+                    num_tokens,
+                    common_attn_metadata.slot_mapping[:num_tokens],
                 )
             self._leave_steady()
         if self.draft_gate is None or self._runner is None or self.captures is not None:
@@ -491,12 +494,47 @@ class AdaFlashProposer(DFlashProposer):
             and self._retiring_now()
         )
 
+    def _steady_holds(self, num_reqs: int) -> bool:
+        """Whether a step of `num_reqs` requests takes the steady state's short
+        path (not while drafts are captured or a timeline is recorded)."""
+        steady = self._steady
+        return (
+            steady is not None
+            and self.captures is None
+            and self.timeline is None
+            and self.retire_when_skipping
+            and steady.holds(num_reqs)
+        )
+
+    def plain_step(self, scheduler_output) -> bool:
+        """Before the runner's step (patches.py W10): whether it is a skipped
+        step of the steady state (`_steady_holds` for its batch), which the
+        runner may then run as plain decoding. The drafter reads nothing of
+        such a step but its requests and their cache slots (`end_plain_step`):
+        every row is retired, none verifies a draft."""
+        return (
+            self.steady_plain
+            and scheduler_output.total_num_scheduled_tokens > 0
+            and self._steady_holds(len(scheduler_output.num_scheduled_tokens))
+        )
+
+    def end_plain_step(
+        self, num_reqs: int, num_tokens: int, slots: torch.Tensor
+    ) -> None:
+        """After a step `plain_step` let the runner run as plain decoding: its
+        short path (`_skip_steadily`), where `propose_early` would have run it.
+        `slots`: the drafter's cache slots of the step's `num_tokens` tokens."""
+        self._opened = None
+        self.plain_steps += 1
+        self._skip_steadily(self._steady, num_reqs, num_tokens, slots)
+
     def _skip_steadily(
-        self, steady: SteadySkip, num_reqs: int, num_tokens: int, cad
+        self, steady: SteadySkip, num_reqs: int, num_tokens: int, slots: torch.Tensor
     ) -> list[list[int]]:
         """A skipped step in the steady skipping state (steady_skip.py): counted
-        on the gate, its context tokens retired (as `_retire_rows` retires every
-        row), every budget 0. Returns `propose_early`'s placeholders."""
+        on the gate, its context tokens (cache `slots`, [num_tokens]) retired
+        (as `_retire_rows` retires every row), every budget 0. Returns
+        `propose_early`'s placeholders."""
         started = time.perf_counter()
         req_ids = self._runner.input_batch.req_ids[:num_reqs]
         same = req_ids == steady.req_ids
@@ -507,7 +545,7 @@ class AdaFlashProposer(DFlashProposer):
                 self._credit_round(steady, last, batch, started, 0, num_tokens)
         steady.skip(req_ids, num_tokens, started, same)
         self.steady_steps += 1
-        self._retire_every_row(req_ids, cad.slot_mapping[:num_tokens])
+        self._retire_every_row(req_ids, slots)
         self._budgets = dict.fromkeys(req_ids, 0)
         steady.end_step(self._synced_clock())
         return [[] for _ in req_ids]

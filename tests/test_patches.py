@@ -240,6 +240,124 @@ def test_prepare_inputs_guard_reads_the_speculative_config_once():
         patches._check_reads_speculative_config_once(reads_twice)
 
 
+class _SteadyDrafter:
+    """A proposer whose steady skipping state holds for `plain` steps (W10)."""
+
+    kv_cache_gid = 0
+
+    def __init__(self, plain: bool):
+        self.plain, self.ended = plain, []
+
+    def plain_step(self, scheduler_output):
+        return self.plain
+
+    def end_plain_step(self, num_reqs, num_tokens, slots):
+        self.ended.append((num_reqs, num_tokens, slots.tolist()))
+
+
+def _plain_step_runner(drafter, kv_cache_config=None):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    slot_mapping = SimpleNamespace(gpu=torch.tensor([40, 41, 77, 5, -1, -1]))
+    return SimpleNamespace(
+        drafter=drafter,
+        speculative_config="spec",
+        valid_sampled_token_count_event=None,
+        kv_cache_config=kv_cache_config
+        or _kv_cache_config(FullAttentionSpec.__new__(FullAttentionSpec)),
+        execute_model_state=None,
+        input_batch=SimpleNamespace(
+            block_table=[SimpleNamespace(slot_mapping=slot_mapping)]
+        ),
+    )
+
+
+def test_steady_skipped_step_runs_as_plain_decoding():
+    """W10: a step the proposer's steady state holds for runs from
+    `execute_model` through `sample_tokens` with the speculative config hidden
+    (vLLM's plain decoding step), restored after; then the proposer gets the
+    step's requests and the drafter's cache slots of its tokens. Not for a
+    step the state does not hold for, with recurrent state or async
+    scheduling; the config comes back when either half raises or when no
+    `sample_tokens` follows."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    seen = []
+
+    def execute(runner, scheduler_output, intermediate_tensors=None):
+        seen.append(("execute", runner.speculative_config))
+        runner.execute_model_state = "state"
+        return None
+
+    def sample(runner, grammar_output):
+        seen.append(("sample", runner.speculative_config))
+        runner.execute_model_state = None
+        return None  # (no output: W5's own additions are left out)
+
+    execute_model = patches._wrap_execute_model(execute)
+    sample_tokens = patches._wrap_sample_tokens(sample)
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=4, num_scheduled_tokens={"a": 1, "b": 3}
+    )
+
+    def run(runner):
+        seen.clear()
+        execute_model(runner, step)
+        sample_tokens(runner, None)
+        return list(seen)
+
+    drafter = _SteadyDrafter(plain=True)
+    runner = _plain_step_runner(drafter)
+    assert run(runner) == [("execute", None), ("sample", None)]
+    assert runner.speculative_config == "spec"
+    assert drafter.ended == [(2, 4, [40, 41, 77, 5])]
+    drafter.plain = False  # the state does not hold: the spec-decode step
+    assert run(runner) == [("execute", "spec"), ("sample", "spec")]
+    assert len(drafter.ended) == 1
+    # recurrent state (as W7), async scheduling: never plain
+    drafter.plain = True
+    mamba = _kv_cache_config(
+        FullAttentionSpec.__new__(FullAttentionSpec), MambaSpec.__new__(MambaSpec)
+    )
+    assert run(_plain_step_runner(drafter, mamba))[0] == ("execute", "spec")
+    async_runner = _plain_step_runner(drafter)
+    async_runner.valid_sampled_token_count_event = object()
+    assert run(async_runner)[0] == ("execute", "spec")
+    assert len(drafter.ended) == 1
+    # the config comes back when either half raises (and the step is not counted)
+    broken = patches._wrap_execute_model(lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        broken(runner, step)
+    assert runner.speculative_config == "spec"
+    execute_model(runner, step)
+    with pytest.raises(ZeroDivisionError):
+        patches._wrap_sample_tokens(lambda *a: 1 / 0)(runner, None)
+    assert runner.speculative_config == "spec" and len(drafter.ended) == 1
+    # an execute_model that returns its output itself: no sample_tokens follows
+    direct = patches._wrap_execute_model(lambda *a: "output")
+    assert direct(runner, step) == "output"
+    assert runner.speculative_config == "spec"
+    assert "_adaflash_plain" not in runner.__dict__
+
+
+def test_plain_step_guard_knows_every_read_of_the_speculative_config():
+    """W10's startup check: every runner method that reads the speculative
+    config in a step reads it only in lines known to leave a step without
+    drafts as plain decoding; a version with another read fails loudly."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    patches._check_step_reads_of_speculative_config(gmr.GPUModelRunner)
+
+    class Newer(gmr.GPUModelRunner):
+        def _bookkeeping_sync(self, *args):
+            if self.speculative_config is not None and self.num_spec_tokens:
+                return None
+
+    with pytest.raises(PatchGuardError, match="_bookkeeping_sync"):
+        patches._check_step_reads_of_speculative_config(Newer)
+
+
 def test_skipped_step_never_builds_the_drafters_inputs():
     """W8: when `propose_early` skips the step, the original (which builds the
     drafter's inputs) is not called and the context is the step's T tokens;

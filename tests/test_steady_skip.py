@@ -236,12 +236,12 @@ def test_the_short_path_marks_holes_and_leaves_the_last_step_for_the_next():
     gates = _skipping_gates()
     proposer = _short_path_proposer(gates)
     steady = _four_requests(gates)
-    cad = types.SimpleNamespace(slot_mapping=torch.tensor([3, 8, 13, 22, -1, -1]))
-    out = AdaFlashProposer._skip_steadily(proposer, steady, 4, 4, cad)
+    slots = torch.tensor([3, 8, 13, 22, -1, -1])[:4]  # the step's 4 tokens
+    out = AdaFlashProposer._skip_steadily(proposer, steady, 4, 4, slots)
     assert out == [[], [], [], []]
     assert proposer._budgets == dict.fromkeys("abcd", 0)
-    # every request retired, each token's block marked (padding slots ignored),
-    # as `_retire_rows` marks them on a full skipped step
+    # every request retired, each token's block marked, as `_retire_rows`
+    # marks them on a full skipped step
     full = RetiredContext(4)
     full.retire(list("abcd"), [3, 8, 13, 22])
     assert proposer.retired.retired == full.retired == set("abcd")
@@ -279,11 +279,66 @@ def test_a_round_whose_batch_changed_is_credited_as_a_full_step_credits_it():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("time.perf_counter", lambda: next(clock))
         batch.req_ids = ["a", "b", "c"]
-        cad = types.SimpleNamespace(slot_mapping=torch.tensor([3, 8, 13]))
-        AdaFlashProposer._skip_steadily(proposer, steady, 3, 3, cad)
+        AdaFlashProposer._skip_steadily(
+            proposer, steady, 3, 3, torch.tensor([3, 8, 13])
+        )
         batch.req_ids = ["a", "b", "c", "e"]
-        cad = types.SimpleNamespace(slot_mapping=torch.arange(12))
-        AdaFlashProposer._skip_steadily(proposer, steady, 4, 12, cad)
+        AdaFlashProposer._skip_steadily(proposer, steady, 4, 12, torch.arange(12))
     assert steady.rounds == 2 and steady.costed == 0
     assert steady.round_tokens == 4 + 3
     assert steady.round_ms == pytest.approx(10.0 + (20.0 - 9.0))
+
+
+def test_plain_step_only_where_the_short_path_would_run():
+    """`plain_step` (patches.py W10) says yes exactly where `propose_early`
+    would take the short path for the step's batch; `end_plain_step` then runs
+    that path (counted, holes marked) with the slots the runner hands over."""
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+
+    gates = _skipping_gates()
+    proposer = _short_path_proposer(gates)
+    proposer.__dict__.update(
+        steady_plain=True,
+        plain_steps=0,
+        captures=None,
+        timeline=None,
+        retire_when_skipping=True,
+        _steady_holds=lambda n: AdaFlashProposer._steady_holds(proposer, n),
+        _skip_steadily=lambda *a: AdaFlashProposer._skip_steadily(proposer, *a),
+    )
+    ids = [f"r{i}" for i in range(17)]
+
+    def step(num_reqs, tokens=None):
+        scheduled = dict.fromkeys(ids[:num_reqs], 1)
+        return types.SimpleNamespace(
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=num_reqs if tokens is None else tokens,
+        )
+
+    def plain(scheduler_output):
+        return AdaFlashProposer.plain_step(proposer, scheduler_output)
+
+    assert not plain(step(16))  # not in the steady state
+    proposer._steady = _enter(gates, ids[:16])
+    assert plain(step(16)) and plain(step(15))
+    assert not plain(step(17))  # another bucket: a full step
+    assert not plain(step(16, tokens=0))  # nothing to run
+    for name, value in (
+        ("steady_plain", False),
+        ("captures", []),
+        ("timeline", []),
+        ("retire_when_skipping", False),
+    ):
+        saved = getattr(proposer, name)
+        setattr(proposer, name, value)
+        assert not plain(step(16)), name
+        setattr(proposer, name, saved)
+    proposer._runner.input_batch.req_ids = ids[:16]
+    AdaFlashProposer.end_plain_step(proposer, 16, 16, torch.arange(16))
+    assert proposer.plain_steps == proposer.steady_steps == 1
+    assert proposer.retired.retired == set(ids[:16]) and proposer.retired.holey == {
+        0,
+        1,
+        2,
+        3,
+    }

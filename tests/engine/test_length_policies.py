@@ -173,9 +173,11 @@ def test_kv_pressure_and_token_budget(tiny, tiny_head_drafter, baseline):
 def test_steady_skipping_is_lossless_and_counted(tiny, tiny_head_drafter, baseline):
     """A draft gate that follows skipping with no check of drafting ever due, in
     an engine that retires: skipped steps take the steady state's short path
-    (proposers/steady_skip.py). Output token-identical to plain vLLM, the
-    gate's counters on /metrics exact; once the gate drafts again (retiring
-    off) the state ends, requests draft, and the output is still identical."""
+    (proposers/steady_skip.py), each run by the runner as a plain decoding
+    step (patches.py W10), or through its spec-decode path with that off.
+    Output token-identical to plain vLLM, the gate's counters on /metrics
+    exact; once the gate drafts again (retiring off) the state ends, requests
+    draft, and the output is still identical."""
     spec = tiny.spec(
         k=K,
         model=str(tiny_head_drafter),
@@ -189,6 +191,11 @@ def test_steady_skipping_is_lossless_and_counted(tiny, tiny_head_drafter, baseli
         skipping = greedy(llm, PROMPTS)
         state = llm.collective_rpc("adaflash_budget_state")[0]
         m = metrics(llm)
+        # the same steps through the runner's spec-decode path (no W10)
+        llm.collective_rpc("adaflash_debug_steady_plain", args=(False,))
+        spec_path = greedy(llm, PROMPTS)
+        state2 = llm.collective_rpc("adaflash_budget_state")[0]
+        llm.collective_rpc("adaflash_debug_steady_plain", args=(True,))
         llm.collective_rpc("adaflash_debug_retire", args=(False,))
         llm.collective_rpc("adaflash_debug_gate", args=({**never, "drafting": 1},))
         drafting = greedy(llm, PROMPTS)
@@ -196,8 +203,15 @@ def test_steady_skipping_is_lossless_and_counted(tiny, tiny_head_drafter, baseli
     finally:
         shutdown(llm)
     assert skipping == baseline["greedy"] and drafting == baseline["greedy"]
+    assert spec_path == baseline["greedy"]
     steady, gate = state["steady_skip"], state["draft_gate"]
     assert steady["entries"] >= 1 and steady["steps"] > len(PROMPTS), steady
+    # every step of the short path ran as plain decoding (patches.py W10) ...
+    assert steady["plain_steps"] == steady["steps"], steady
+    # ... and none once that is off
+    steady2 = state2["steady_skip"]
+    assert steady2["steps"] > steady["steps"], steady2
+    assert steady2["plain_steps"] == steady["plain_steps"], steady2
     assert gate["drafted_steps"] == 0 and gate["skipped_steps"] > steady["steps"]
     assert m["vllm:adaflash_draft_gate_skipped_steps"] == gate["skipped_steps"]
     assert m["vllm:spec_decode_num_draft_tokens"] == 0
