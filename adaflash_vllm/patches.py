@@ -149,8 +149,8 @@ W10. `GPUModelRunner.execute_model` / `sample_tokens` (W4 / W5's wrappers)
     (every request is retired) and only counts itself; still the runner ran
     vLLM's spec-decode step around it (the drafter's attention metadata, the
     drafting branch of `sample_tokens`, the connector's deferred finalize,
-    the placeholders' clamp): 1.5-2% of a step at 16 requests on a CPU
-    (BENCHMARKS.md run 44).
+    the placeholders' clamp): 1.0-1.4% of a step at 8 requests on a CPU,
+    about 0.3-0.4% at 16-32 (BENCHMARKS.md run 44).
     How: when `AdaFlashProposer.plain_step` says the coming step is such a
     step, W4 hides the runner's speculative config from that step (from
     `execute_model` through `sample_tokens`, restored whatever happens), so it
@@ -366,7 +366,7 @@ def _wrap_create_engine_config(orig: Callable) -> Callable:
 
 
 def apply_worker_patches() -> None:
-    """W1-W9. Idempotent; imports vLLM's model runner (seconds): workers only."""
+    """W1-W10. Idempotent; imports vLLM's model runner (seconds): workers only."""
     _check_version()
     import vllm.v1.worker.gpu_model_runner as gmr
     from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -586,6 +586,8 @@ def _runs_plain(runner, drafter, scheduler_output) -> bool:
     plain_step = getattr(drafter, "plain_step", None)
     if plain_step is None or runner.valid_sampled_token_count_event is not None:
         return False
+    if any(scheduler_output.scheduled_spec_decode_tokens.values()):
+        return False  # (never in the steady state: every budget is 0)
     if runner.__dict__.get("_adaflash_plain_prepare") is not True:
         if _recurrent_state(runner) is not False:
             return False

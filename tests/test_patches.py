@@ -279,8 +279,8 @@ def test_steady_skipped_step_runs_as_plain_decoding():
     (vLLM's plain decoding step), restored after; then the proposer gets the
     step's requests and the drafter's cache slots of its tokens. Not for a
     step the state does not hold for, with recurrent state or async
-    scheduling; the config comes back when either half raises or when no
-    `sample_tokens` follows."""
+    scheduling, nor for a step that verifies drafts; the config comes back
+    when either half raises or when no `sample_tokens` follows."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     seen = []
@@ -298,7 +298,9 @@ def test_steady_skipped_step_runs_as_plain_decoding():
     execute_model = patches._wrap_execute_model(execute)
     sample_tokens = patches._wrap_sample_tokens(sample)
     step = SimpleNamespace(
-        total_num_scheduled_tokens=4, num_scheduled_tokens={"a": 1, "b": 3}
+        total_num_scheduled_tokens=4,
+        num_scheduled_tokens={"a": 1, "b": 3},
+        scheduled_spec_decode_tokens={"a": []},
     )
 
     def run(runner):
@@ -324,6 +326,11 @@ def test_steady_skipped_step_runs_as_plain_decoding():
     async_runner = _plain_step_runner(drafter)
     async_runner.valid_sampled_token_count_event = object()
     assert run(async_runner)[0] == ("execute", "spec")
+    assert len(drafter.ended) == 1
+    # a step that verifies drafts is never run as plain decoding
+    step.scheduled_spec_decode_tokens = {"a": [5, 6]}
+    assert run(runner)[0] == ("execute", "spec")
+    step.scheduled_spec_decode_tokens = {}
     assert len(drafter.ended) == 1
     # the config comes back when either half raises (and the step is not counted)
     broken = patches._wrap_execute_model(lambda *a: 1 / 0)
