@@ -24,7 +24,8 @@ the default since run 34; `adaflash:noretire` sets it false),
 before run 43), `adaflash:noplain` (steady skipped steps through the runner's
 spec-decode path, not as plain decoding steps: as before run 44),
 `adaflash:eagerchecks` (the draft gate's checks of drafting under load
-not spaced by what they lose, as before run 31),
+not spaced by what they lose, as before run 31), `adaflash:perreqcap` (checks
+spaced by what they lose wait at most 16 steps per request, as before run 45),
 `adaflash:fixed` (`length.mode: fixed`: AdaFlash verifying all K drafts),
 `adaflash:kN` (the same with `num_speculative_tokens` N instead of 7: its
 drafter's length head, trained for 7, is then left out; variants combine with
@@ -66,11 +67,12 @@ _ADAFLASH_VARIANTS = {
     "explored": {},  # checks of skipping explore it (before run 23)
     "nohist": {},  # the length head never reads the previous round
     "nocap": {},  # chosen budgets never cap the block (before run 32)
-    "noplain": {},  # steady skipped steps through the spec-decode path (run 43)
+    "noplain": {},  # steady skipped steps through the spec-decode path (before run 44)
     "slow01": {},  # long-run rate over ~100 one-request rounds at every B
     "slow04": {},  # long-run rate over ~25 rounds at one request (before run 25)
     "slowb1": {},  # long-run rate over ~13 rounds at two requests (before run 36)
     "eagerchecks": {},  # checks of drafting not spaced by their loss (before run 31)
+    "perreqcap": {},  # ... spaced by it at most 16 steps per request (before run 45)
     "eagersmall": {},  # checks never spaced by their loss below 8 (before run 37)
     "spacedsmall": {},  # ... always spaced by it there (_GATE_SETTINGS)
     "longruns": {},  # drafting runs that lose end as before run 37
@@ -94,6 +96,9 @@ _GATE_SETTINGS = {
     "slowb1": {"slow_one_request_max_batch": 1},
     # checks of drafting under load back off from 8 steps whatever they lose
     "eagerchecks": {"check_share": 0.0},
+    # ... and, spaced by what they lose, wait no longer than 16 steps per
+    # request under 32 requests (before run 45)
+    "perreqcap": {"check_share_max_interval": 0},
     # below 8 requests checks of drafting never spaced by their loss (before run 37)
     "eagersmall": {"check_value_ema": 0.0},
     # ... always spaced by it, whether or not checks paid (tried in run 37)

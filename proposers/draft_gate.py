@@ -69,6 +69,10 @@ text missed costs several times what a check during a hard one does. From
 measured loss is `check_share` of the time skipped in between: at 64 requests a
 drafting round loses ~50 ms against skipping, and a backoff doubling from 8
 steps checked 7 times (31 drafting steps) in a bucket's first 2,000 steps.
+That wait may pass the per-request cap (up to `check_share_max_interval`
+steps): the text of 8 or more requests turns easy together only when the
+traffic does, and at 8 requests on math checks every 128 steps took 2% of
+the time.
 Below `check_share_min_batch` requests they are spaced so (up to
 `check_share_min_cap` steps) only once checks have lost on net: `check_value`,
 what each check's drafting rounds, and the drafting run a switch started, emitted
@@ -147,6 +151,11 @@ class DraftGate:
     # requests' text, which turns easy again within a few rounds. 0: off.
     check_share: float = 0.01
     check_share_min_batch: int = 8
+    # ... and from `check_share_min_batch` requests on, such spacing may wait
+    # up to this many steps (at most `skip_max_interval`), past the per-request
+    # cap (16 x B: at 8 requests on math a check every 128 steps took 2% of
+    # the time, BENCHMARKS.md run 44). 0: the per-request cap.
+    check_share_max_interval: int = 512
     # Below `check_share_min_batch` requests, checks spaced by what they lose
     # (once they lose on net: `check_value`) wait up to this many steps (the
     # per-request cap, `skip_interval_per_request` x B, is shorter there).
@@ -613,7 +622,12 @@ class DraftGate:
             cap = self._skip_cap(self.switch_batch)
             # Held: smaller batches check drafting for this one (the longest wait).
             self.interval = cap if self.held else min(self.interval, cap)
-            spaced_cap = max(cap, self.check_share_min_cap)
+            spaced_cap = max(
+                cap,
+                min(self.check_share_max_interval, self.skip_max_interval)
+                if self.switch_batch >= self.check_share_min_batch
+                else self.check_share_min_cap,
+            )
             self.interval = max(self.interval, min(self._check_spacing(), spaced_cap))
         self.held_settled = self.held
         self.explore_at = self.step + self.interval

@@ -561,6 +561,42 @@ def test_checks_of_drafting_under_load_are_spaced_by_what_they_lose():
 
 
 @pytest.mark.parametrize(
+    "batch, share_max, interval",
+    [
+        (8, 512, 343),  # past the per-request cap of 128 steps
+        (8, 0, 128),  # the per-request cap (before run 45)
+        (8, 256, 256),
+        (16, 512, 343),  # (cap 256)
+        # below 8 requests: the backoff (checks not yet shown to lose on net)
+        (4, 512, 32),
+        (4, 0, 32),
+    ],
+)
+def test_checks_spaced_by_what_they_lose_may_pass_the_per_request_cap(
+    batch, share_max, interval
+):
+    """From `check_share_min_batch` requests on, the spacing by what checks lose
+    (343 steps for these rounds, as at 64 requests above) may wait past the
+    per-request cap of 16 steps per request, up to `check_share_max_interval`
+    (and `skip_max_interval`, above)."""
+    gate = DraftGate(
+        drafting=False,
+        interval=8,
+        switch_batch=batch,
+        check_share_max_interval=share_max,
+    )
+    scale = batch / 64  # the same rates per request
+    _check_rounds(
+        gate,
+        draft_tokens=128.0 * scale,
+        draft_ms=100.0,
+        skip_tokens=64.0 * scale,
+        skip_ms=35.0,
+    )
+    assert not gate.drafting and gate.interval == interval
+
+
+@pytest.mark.parametrize(
     "batch, draft_tokens, spacing",
     [
         (4, 8.0, "backoff"),  # few requests: drafting's rate follows their text
