@@ -19,16 +19,15 @@ the steps of the steady skipping state at the full batch that ran no new
 prompt in either engine: the median of AdaFlash's step time over plain's
 (step by step), and the ratio of the two settings' medians of that, with a 95%
 interval from the blocks (the per-block medians of one setting against the
-mean of its neighbouring blocks of the other); the same ratio for the steady
-steps in which both engines ran a new prompt. Then, per setting and kind of
-step (the steady state's or another, with or without a new prompt in either
-engine), its share of plain's time over that setting's steps and AdaFlash's
-time and tokens over plain's in the same steps: where the rest of the gap to
-plain goes.
+mean of its neighbouring blocks of the other). Then AdaFlash's time by kind
+of step (the steady state's or another, with or without a new prompt) against
+plain's whole time and its time in steps with a new prompt (both settings,
+after the warm-up; the engines ran the same requests, not always in the same
+steps): where the rest of the gap to plain goes.
 
-Run (about 4 minutes on 2 cores for 2,000 steps at 16 requests):
+Run (about 3 minutes on 2 cores for 3,000 steps at 16 requests):
     VLLM_CPU_KVCACHE_SPACE=1 taskset -c 0 python examples/toggle_in_blocks.py \
-        --concurrency 16 --steps 2000
+        --concurrency 16 --steps 3000
 """
 
 from __future__ import annotations
