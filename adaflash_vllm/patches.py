@@ -588,11 +588,7 @@ def _runs_plain(runner, drafter, scheduler_output) -> bool:
         return False
     if any(scheduler_output.scheduled_spec_decode_tokens.values()):
         return False  # (never in the steady state: every budget is 0)
-    if runner.__dict__.get("_adaflash_plain_prepare") is not True:
-        if _recurrent_state(runner) is not False:
-            return False
-        runner._adaflash_plain_prepare = True
-    return plain_step(scheduler_output)
+    return _without_recurrent_state(runner) and plain_step(scheduler_output)
 
 
 def _end_plain_step(runner, scheduler_output) -> None:
@@ -666,6 +662,19 @@ def _recurrent_state(runner) -> bool | None:
         if any(isinstance(s, MambaSpec) for s in specs):
             return True
     return False
+
+
+def _without_recurrent_state(runner) -> bool:
+    """Whether no KV cache group of the runner keeps recurrent state (W7, W10:
+    only then may a step without drafts run vLLM's plain-decoding path). False
+    while the KV cache does not exist yet; cached once it does."""
+    known = runner.__dict__.get("_adaflash_no_recurrent_state")
+    if known is None:
+        recurrent = _recurrent_state(runner)
+        if recurrent is None:
+            return False
+        known = runner._adaflash_no_recurrent_state = not recurrent
+    return known
 
 
 _USE_SPEC_DECODE = "use_spec_decode = self.speculative_config is not None"
@@ -764,23 +773,17 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
             # AdaFlash's proposer (a runner without speculative decoding has none)
             hasattr(getattr(self, "drafter", None), "take_budgets")
             and not any(scheduler_output.scheduled_spec_decode_tokens.values())
-        ):
-            plain = self.__dict__.get("_adaflash_plain_prepare")
-            if plain is None:
-                recurrent = _recurrent_state(self)
-                plain = recurrent is False
-                if recurrent is not None:  # known once the KV cache is
-                    self._adaflash_plain_prepare = plain
-            if plain:  # no request verifies a draft: prepare as plain decoding
-                speculative, self.speculative_config = self.speculative_config, None
-                try:
-                    out = orig(self, scheduler_output, num_scheduled_tokens)
-                finally:
-                    self.speculative_config = speculative
-                record = getattr(self.rejection_sampler, "record_bonus_only", None)
-                if record is not None:
-                    record(len(num_scheduled_tokens))
-                return out
+            and _without_recurrent_state(self)
+        ):  # no request verifies a draft: prepare as plain decoding
+            speculative, self.speculative_config = self.speculative_config, None
+            try:
+                out = orig(self, scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = speculative
+            record = getattr(self.rejection_sampler, "record_bonus_only", None)
+            if record is not None:
+                record(len(num_scheduled_tokens))
+            return out
         logits_indices, spec, max_num_sampled = orig(
             self, scheduler_output, num_scheduled_tokens
         )

@@ -38,8 +38,8 @@ import random
 import statistics
 
 from compare_no_draft import _engine, demo_prompts, in_process_engines
+from compare_steps import MAX_MODEL_LEN
 
-MAX_MODEL_LEN = 1024  # bench/paired.py `offline_engine`
 SETTINGS = {"plain_steps": "adaflash_debug_steady_plain"}
 
 
