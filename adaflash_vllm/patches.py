@@ -154,12 +154,17 @@ W10. `GPUModelRunner.execute_model` / `sample_tokens` (W4 / W5's wrappers)
     How: when `AdaFlashProposer.plain_step` says the coming step is such a
     step, W4 hides the runner's speculative config from that step (from
     `execute_model` through `sample_tokens`, restored whatever happens), so it
-    runs vLLM's plain decoding step; W5 then hands the proposer the step's
-    requests and the drafter's cache slots of its tokens (`end_plain_step`:
-    the short path `propose_early` would have run). Only without recurrent
-    state (as W7) and with sync scheduling. Startup checks that every runner
-    method reading that config reads it only in the lines known to leave a
-    step without drafts as plain decoding (or is not called in a step).
+    runs vLLM's plain decoding step (W7 then calls vLLM's `_prepare_inputs`
+    as it is); W5 then hands the proposer the step's requests and a reader of
+    the drafter's cache slots of its tokens (`end_plain_step`: the short path
+    `propose_early` would have run, which also counts the step's rounds as
+    rounds without a draft and reads the slots only where a token may land
+    in a block without a hole yet), and attaches "no drafts" to the step's
+    output without `take_draft_token_ids` (the step chose no budgets). Only
+    without recurrent state (as W7) and with sync scheduling. Startup checks
+    that every runner method reading that config reads it only in the lines
+    known to leave a step without drafts as plain decoding (or is not called
+    in a step).
     Upstream: none. Delete with the steady skipping state.
 
 W3. CPU override of `vllm.v1.sample.rejection_sampler.expand_kernel`
@@ -593,14 +598,16 @@ def _runs_plain(runner, drafter, scheduler_output) -> bool:
 
 def _end_plain_step(runner, scheduler_output) -> None:
     """W10, after the plain step's `sample_tokens`: the proposer's short path,
-    with the drafter's cache slots of the step's tokens."""
+    with the drafter's cache slots of the step's tokens (read only if needed)."""
     drafter = runner.drafter
     num_tokens = scheduler_output.total_num_scheduled_tokens
-    block_table = runner.input_batch.block_table[max(drafter.kv_cache_gid, 0)]
+
+    def slots():
+        block_table = runner.input_batch.block_table[max(drafter.kv_cache_gid, 0)]
+        return block_table.slot_mapping.gpu[:num_tokens]
+
     drafter.end_plain_step(
-        len(scheduler_output.num_scheduled_tokens),
-        num_tokens,
-        block_table.slot_mapping.gpu[:num_tokens],
+        len(scheduler_output.num_scheduled_tokens), num_tokens, slots
     )
 
 
@@ -633,9 +640,14 @@ def _wrap_sample_tokens(orig: Callable) -> Callable:
             and self.vllm_config.max_concurrent_batches == 1  # sync, no pipeline
         ):  # the drafts ride with the output: no extra round trip (E3)
             self.__dict__.pop("_adaflash_drafts", None)  # a step nobody asked for
-            drafts = self.take_draft_token_ids()
+            if plain is None:
+                drafts = self.take_draft_token_ids()
+                self._adaflash_drafts_sent = (
+                    getattr(self, "_adaflash_drafts_sent", 0) + 1
+                )
+            else:  # W10: the step drafted nothing and chose no budgets
+                drafts = None
             self._adaflash_drafts = drafts
-            self._adaflash_drafts_sent = getattr(self, "_adaflash_drafts_sent", 0) + 1
             output.adaflash_drafts = (drafts,)
         return output
 
@@ -769,6 +781,8 @@ def _check_reads_speculative_config_once(prepare_inputs: Callable) -> None:
 
 def _wrap_prepare_inputs(orig: Callable) -> Callable:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if self.speculative_config is None:  # plain vLLM, or W10's plain step
+            return orig(self, scheduler_output, num_scheduled_tokens)  # (W5 counts)
         if (
             # AdaFlash's proposer (a runner without speculative decoding has none)
             hasattr(getattr(self, "drafter", None), "take_budgets")

@@ -443,12 +443,14 @@ class AdaFlashProposer(DFlashProposer):
         steady = self._steady
         if steady is not None:
             if self._steady_holds(num_reqs):
-                return self._skip_steadily(
+                req_ids = self._skip_steadily(
                     steady,
                     num_reqs,
                     num_tokens,
-                    common_attn_metadata.slot_mapping[:num_tokens],
+                    lambda: common_attn_metadata.slot_mapping[:num_tokens],
                 )
+                self._budgets = dict.fromkeys(req_ids, 0)
+                return [[] for _ in req_ids]
             self._leave_steady()
         if self.draft_gate is None or self._runner is None or self.captures is not None:
             return None
@@ -519,22 +521,33 @@ class AdaFlashProposer(DFlashProposer):
         )
 
     def end_plain_step(
-        self, num_reqs: int, num_tokens: int, slots: torch.Tensor
+        self, num_reqs: int, num_tokens: int, slots: Callable[[], torch.Tensor]
     ) -> None:
         """After a step `plain_step` let the runner run as plain decoding: its
-        short path (`_skip_steadily`), where `propose_early` would have run it.
-        `slots`: the drafter's cache slots of the step's `num_tokens` tokens."""
+        short path (`_skip_steadily`), where `propose_early` would have run it,
+        and its rounds counted as rounds without a draft (the rejection
+        sampler's verify lengths). `slots()`: the drafter's cache slots of the
+        step's `num_tokens` tokens. No budgets: the step's output carries no
+        drafts (patches.py W5)."""
         self._opened = None
         self.plain_steps += 1
         self._skip_steadily(self._steady, num_reqs, num_tokens, slots)
+        self._budgets = None
+        self._runner.rejection_sampler.record_bonus_only(num_reqs)
 
     def _skip_steadily(
-        self, steady: SteadySkip, num_reqs: int, num_tokens: int, slots: torch.Tensor
-    ) -> list[list[int]]:
+        self,
+        steady: SteadySkip,
+        num_reqs: int,
+        num_tokens: int,
+        slots: Callable[[], torch.Tensor],
+    ) -> list[str]:
         """A skipped step in the steady skipping state (steady_skip.py): counted
-        on the gate, its context tokens (cache `slots`, [num_tokens]) retired
-        (as `_retire_rows` retires every row), every budget 0. Returns
-        `propose_early`'s placeholders."""
+        on the gate, its context tokens (cache `slots()`, [num_tokens]) retired
+        (as `_retire_rows` retires every row). A decode step of the last step's
+        batch whose tokens all land in blocks marked already
+        (`SteadySkip.quiet`) reads no slot: at block size 128 most steps. Returns
+        the step's request ids."""
         started = time.perf_counter()
         req_ids = self._runner.input_batch.req_ids[:num_reqs]
         same = req_ids == steady.req_ids
@@ -545,10 +558,21 @@ class AdaFlashProposer(DFlashProposer):
                 self._credit_round(steady, last, batch, started, 0, num_tokens)
         steady.skip(req_ids, num_tokens, started, same)
         self.steady_steps += 1
-        self._retire_every_row(req_ids, slots)
-        self._budgets = dict.fromkeys(req_ids, 0)
+        retired = self.retired
+        decode = num_tokens == num_reqs  # one token per request
+        if same and decode and steady.quiet > 0:  # (every request retired)
+            steady.quiet -= 1
+            retired.dropped_tokens += num_tokens
+        else:
+            marked = slots().tolist()
+            if same:  # every request retired already: only the holes
+                retired.dropped_tokens += num_tokens
+                retired.mark(marked)
+            else:
+                self._retire_every_row(req_ids, marked)
+            steady.quiet = retired.steps_in_marked_blocks(marked) if decode else 0
         steady.end_step(self._synced_clock())
-        return [[] for _ in req_ids]
+        return req_ids
 
     def _leave_steady(self) -> None:
         """End the steady skipping state: fold what its steps measured into the
@@ -794,7 +818,7 @@ class AdaFlashProposer(DFlashProposer):
             retired = self.retired = RetiredContext(self.block_size)
         total = slots.shape[0]
         if every_row_retired:  # the steady state under load
-            self._retire_every_row(req_ids, slots)
+            self._retire_every_row(req_ids, slots.tolist())
             return slots.new_empty(0, dtype=torch.long)
         if not retired.retired:
             retired.kept_tokens += total
@@ -816,14 +840,14 @@ class AdaFlashProposer(DFlashProposer):
         )
         return torch.from_numpy(np.flatnonzero(~dropped_tokens)).to(slots.device)
 
-    def _retire_every_row(self, req_ids: list[str], slots: torch.Tensor) -> None:
+    def _retire_every_row(self, req_ids: list[str], slots: list[int]) -> None:
         """Every request of a skipped step retires, and its context tokens'
-        cache `slots` ([T]) are holes (`self.retired` exists)."""
+        cache `slots` are holes (`self.retired` exists)."""
         retired = self.retired
         if retired.retired:
             retired.forget_finished(req_ids)
-        retired.dropped_tokens += slots.shape[0]
-        retired.retire(req_ids, slots.tolist())
+        retired.dropped_tokens += len(slots)
+        retired.retire(req_ids, slots)
 
     def _every_row_retired(self, req_ids: Collection[str]) -> bool:
         """Whether no row of this skipped step keeps its upkeep: the engine

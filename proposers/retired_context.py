@@ -68,12 +68,26 @@ class RetiredContext:
         before = len(self.retired)
         self.retired.update(req_ids)
         self.retired_total += len(self.retired) - before
+        self.mark(slots)
+
+    def mark(self, slots: Iterable[int]) -> None:
+        """The tokens in cache `slots` have no drafter K/V: their blocks have
+        holes (-1: padding, skipped)."""
         size = self.block_size
-        new = {s // size for s in slots if s >= 0} - self.holey  # -1: padding
+        new = {s // size for s in slots if s >= 0} - self.holey
         if new:
             self.holey |= new
             self._added |= new
             self._removed -= new
+
+    def steps_in_marked_blocks(self, slots: Iterable[int]) -> int:
+        """After a decode step of one token per request in cache `slots`
+        (marked): how many more such steps of the same requests put every
+        request's token in the block of this one (each request's next token
+        takes the slot after its last until its block is full), so that they
+        add no hole (`SteadySkip.quiet`)."""
+        last = self.block_size - 1
+        return min((last - s % self.block_size for s in slots if s >= 0), default=0)
 
     def unretire(self, req_ids: Iterable[str]) -> int:
         """`req_ids` draft again, their holes as they are (the blocks keep their

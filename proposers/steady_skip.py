@@ -15,15 +15,19 @@ explores nothing and waits for no check, and its next check is at least one
 step away. While it holds, a skipped step only counts itself on the gate (its
 step, skipped-step and bucket-visit counters stay exact), marks the cache
 blocks its requests' tokens left without drafter K/V (exact, as a full
-skipped step does), credits its round and times itself. It holds while the
-batch stays in the bucket, has not shrunk by a quarter since the bucket's
-last switch (which checks drafting at once), has not moved by a quarter from
-where the gate's long-run rate restarted, and the bucket's next check is not
-due: every case in which the gate's verdict could differ from "skip" makes
-the next step a full one. The engine keeps retiring through the stretch: the
-gate's rates, which decide whether it skips decisively, move when the state
-ends (full steps stop retiring whenever a round leaves skipping's lead under
-`retire_margin`, and keep the upkeep of the requests that arrive then).
+skipped step does), credits its round and times itself. A decode step of the
+last step's batch whose tokens all land in the blocks of the requests' last
+tokens (marked already: `quiet`, counted down from the offsets of the last
+slots read) reads no cache slot at all; at block size 128 that is most steps.
+The state holds while the batch stays in the bucket, has not shrunk by a
+quarter since the bucket's last switch (which checks drafting at once), has
+not moved by a quarter from where the gate's long-run rate restarted, and
+the bucket's next check is not due: every case in which the gate's verdict
+could differ from "skip" makes the next step a full one. The engine keeps
+retiring through the stretch: the gate's rates, which decide whether it
+skips decisively, move when the state ends (full steps stop retiring
+whenever a round leaves skipping's lead under `retire_margin`, and keep the
+upkeep of the requests that arrive then).
 
 What full skipped steps learn, the steady state learns once, when it ends
 (`fold`): its rounds enter the gate as that many skipped rounds at once,
@@ -83,6 +87,10 @@ class SteadySkip:
     costed_tokens: int = 0
     costed_ms: float = 0.0
     propose_ms: float = 0.0  # the short path's own time, all steps
+    # decode steps of the last step's batch still to come whose tokens land in
+    # blocks marked already (`RetiredContext.steps_in_marked_blocks`): those
+    # steps read no cache slot at all
+    quiet: int = 0
 
     @classmethod
     def enter(

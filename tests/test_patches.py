@@ -143,7 +143,9 @@ def test_step_without_drafts_samples_as_plain_decoding():
 
     # (a scheduler output that gave drafts: W7 cannot tell them from here)
     step = SimpleNamespace(scheduled_spec_decode_tokens={"r": [5, 6]})
-    runner = SimpleNamespace(drafter=SimpleNamespace(take_budgets=dict))
+    runner = SimpleNamespace(
+        drafter=SimpleNamespace(take_budgets=dict), speculative_config="spec"
+    )
     runner.rejection_sampler = _Sampler()
     for num_drafts, kept in (([0, 0, 0], False), ([0, 2, 0], True)):
         spec = metadata(num_drafts)
@@ -153,7 +155,9 @@ def test_step_without_drafts_samples_as_plain_decoding():
     # Another proposer (not AdaFlash's): vLLM's path is left alone.
     spec = metadata([0, 0])
     prepare = patches._wrap_prepare_inputs(lambda *a: ("idx", spec, 1))
-    other = SimpleNamespace(drafter=object(), rejection_sampler=_Sampler())
+    other = SimpleNamespace(
+        drafter=object(), rejection_sampler=_Sampler(), speculative_config="spec"
+    )
     assert (
         prepare(other, SimpleNamespace(scheduled_spec_decode_tokens={}), None)[1]
         is spec
@@ -223,6 +227,12 @@ def test_step_given_no_draft_prepares_as_plain_decoding():
     assert prepare(other, no_drafts, np.ones(3))[1] is metadata and seen == ["spec"]
     plain = SimpleNamespace(speculative_config=None, kv_cache_config=None)
     assert prepare(plain, no_drafts, np.ones(3)) == ("idx", None, 1)
+    # W10's plain step (the config hidden by W4): the original as it is, the
+    # rounds counted by the proposer's `end_plain_step` (W5), not here
+    runner.speculative_config, counted = None, len(runner.rejection_sampler.bonus_only)
+    seen.clear()
+    assert prepare(runner, no_drafts, np.ones(3)) == ("idx", None, 1)
+    assert seen == [None] and len(runner.rejection_sampler.bonus_only) == counted
 
 
 def test_prepare_inputs_guard_reads_the_speculative_config_once():
@@ -252,7 +262,7 @@ class _SteadyDrafter:
         return self.plain
 
     def end_plain_step(self, num_reqs, num_tokens, slots):
-        self.ended.append((num_reqs, num_tokens, slots.tolist()))
+        self.ended.append((num_reqs, num_tokens, slots().tolist()))
 
 
 def _plain_step_runner(drafter, kv_cache_config=None):
@@ -346,6 +356,51 @@ def test_steady_skipped_step_runs_as_plain_decoding():
     assert direct(runner, step) == "output"
     assert runner.speculative_config == "spec"
     assert "_adaflash_plain" not in runner.__dict__
+
+
+def test_plain_steps_output_carries_no_drafts_without_taking_them():
+    """W5 on a W10 step with output: the output says "no drafts" (the engine
+    core then skips its own take: E3) without running `take_draft_token_ids`
+    (the proposer chose no budgets for it) and without counting a take, so
+    `draft_round_trips` stays exact; the gate's counters still ride along. A
+    step that is not plain still takes its drafts."""
+    drafter = _SteadyDrafter(plain=True)
+    drafter.draft_gate = SimpleNamespace(drafted_steps=0, skipped_steps=5)
+    drafter.take_holes = lambda: None
+    drafter.take_budgets = dict
+    runner = _plain_step_runner(drafter)
+    runner.vllm_config = SimpleNamespace(max_concurrent_batches=1)
+    taken = []
+
+    def take():
+        taken.append(1)
+        runner._adaflash_draft_takes = getattr(runner, "_adaflash_draft_takes", 0) + 1
+        return "drafts"
+
+    runner.take_draft_token_ids = take
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=2,
+        num_scheduled_tokens={"a": 1, "b": 1},
+        scheduled_spec_decode_tokens={},
+    )
+    execute_model = patches._wrap_execute_model(lambda *a: None)
+
+    def sample(runner, grammar_output):
+        return SimpleNamespace()
+
+    sample_tokens = patches._wrap_sample_tokens(sample)
+    runner.execute_model_state = "state"
+    execute_model(runner, step)
+    output = sample_tokens(runner, None)
+    assert output.adaflash_drafts == (None,) and taken == []
+    assert runner._adaflash_drafts is None and drafter.ended == [(2, 2, [40, 41])]
+    assert output.adaflash_gate["draft_gate_skipped_steps"] == 5
+    assert patches.draft_round_trips(runner) == 0
+    drafter.plain = False  # a full step: its drafts are taken and sent
+    execute_model(runner, step)
+    output = sample_tokens(runner, None)
+    assert output.adaflash_drafts == ("drafts",) and taken == [1]
+    assert patches.draft_round_trips(runner) == 0
 
 
 def test_plain_step_guard_knows_every_read_of_the_speculative_config():

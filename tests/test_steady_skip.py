@@ -227,6 +227,8 @@ def _short_path_proposer(gates):
         method = getattr(AdaFlashProposer, name)
         setattr(proposer, name, lambda *a, _m=method: _m(proposer, *a))
     proposer._steady_last = AdaFlashProposer._steady_last
+    # the full skipped step that entered the state retired its requests
+    proposer.retired.retire(list("abcd"), [])
     return proposer
 
 
@@ -237,9 +239,8 @@ def test_the_short_path_marks_holes_and_leaves_the_last_step_for_the_next():
     proposer = _short_path_proposer(gates)
     steady = _four_requests(gates)
     slots = torch.tensor([3, 8, 13, 22, -1, -1])[:4]  # the step's 4 tokens
-    out = AdaFlashProposer._skip_steadily(proposer, steady, 4, 4, slots)
-    assert out == [[], [], [], []]
-    assert proposer._budgets == dict.fromkeys("abcd", 0)
+    out = AdaFlashProposer._skip_steadily(proposer, steady, 4, 4, lambda: slots)
+    assert out == list("abcd")
     # every request retired, each token's block marked, as `_retire_rows`
     # marks them on a full skipped step
     full = RetiredContext(4)
@@ -280,10 +281,12 @@ def test_a_round_whose_batch_changed_is_credited_as_a_full_step_credits_it():
         mp.setattr("time.perf_counter", lambda: next(clock))
         batch.req_ids = ["a", "b", "c"]
         AdaFlashProposer._skip_steadily(
-            proposer, steady, 3, 3, torch.tensor([3, 8, 13])
+            proposer, steady, 3, 3, lambda: torch.tensor([3, 8, 13])
         )
         batch.req_ids = ["a", "b", "c", "e"]
-        AdaFlashProposer._skip_steadily(proposer, steady, 4, 12, torch.arange(12))
+        AdaFlashProposer._skip_steadily(
+            proposer, steady, 4, 12, lambda: torch.arange(12)
+        )
     assert steady.rounds == 2 and steady.costed == 0
     assert steady.round_tokens == 4 + 3
     assert steady.round_ms == pytest.approx(10.0 + (20.0 - 9.0))
@@ -334,11 +337,59 @@ def test_plain_step_only_where_the_short_path_would_run():
         assert not plain(step(16)), name
         setattr(proposer, name, saved)
     proposer._runner.input_batch.req_ids = ids[:16]
-    AdaFlashProposer.end_plain_step(proposer, 16, 16, torch.arange(16))
+    proposer.retired.retired = set(ids[:16])  # (the step that entered the state)
+    proposer._runner.rejection_sampler = types.SimpleNamespace(
+        record_bonus_only=lambda n: counted.append(n)
+    )
+    counted, proposer._budgets = [], {"r0": 3}
+    AdaFlashProposer.end_plain_step(proposer, 16, 16, lambda: torch.arange(16))
     assert proposer.plain_steps == proposer.steady_steps == 1
+    # its 16 rounds verified no draft; it leaves no budgets (its output
+    # carries no drafts: patches.py W5)
+    assert counted == [16] and proposer._budgets is None
     assert proposer.retired.retired == set(ids[:16]) and proposer.retired.holey == {
         0,
         1,
         2,
         3,
     }
+
+
+def test_decode_steps_within_marked_blocks_read_no_slot():
+    """A decode step of the last step's batch whose every token lands in the
+    block of the request's previous token (marked already) reads no cache
+    slot; the holes and counters end exactly as when every step reads its
+    slots. Cache blocks of 4 slots: after slots 1, 8, 13, 22 (offsets 1, 0, 1,
+    2) the next step stays in those blocks, the one after it does not (22 ->
+    23 -> a new block); a step whose batch changed, or with more tokens than
+    requests, always reads its slots."""
+    from adaflash_vllm.proposers.proposer import AdaFlashProposer
+
+    gates = _skipping_gates()
+    proposer = _short_path_proposer(gates)
+    proposer._runner.input_batch.req_ids = list("abcd")
+    steady = _four_requests(gates)
+    reads = []
+
+    def step(slots, num_tokens=4):
+        def read():
+            reads.append(len(reads_done))
+            return torch.tensor(slots)
+
+        AdaFlashProposer._skip_steadily(proposer, steady, 4, num_tokens, read)
+        reads_done.append(1)
+
+    reads_done: list[int] = []
+    every = [[1, 8, 13, 22], [2, 9, 14, 23], [3, 10, 15, 40], [4, 11, 16, 41]]
+    for slots in every:
+        step(slots)
+    assert reads == [0, 2, 3]  # the second step read nothing
+    full = RetiredContext(4)
+    full.retire(list("abcd"), [s for slots in every for s in slots])
+    assert proposer.retired.holey == full.holey
+    assert proposer.retired.dropped_tokens == 16
+    assert gates.current.skipped_steps == 4 and proposer.steady_steps == 4
+    # a step with a prompt chunk (more tokens than requests) reads its slots
+    step(list(range(44, 52)), num_tokens=8)
+    assert reads[-1] == 4 and steady.quiet == 0
+    assert proposer.retired.dropped_tokens == 24
