@@ -4,7 +4,8 @@ steady load as in `compare_steps.py`, each engine's step split into the engine
 core's parts: the scheduler's `schedule`, the runner's `execute_model` (and the
 target's forward inside it, `_model_forward`), `sample_tokens`, the
 scheduler's `update_from_output`, and the rest of `LLM.step` (output
-processing), and `execute_model`'s time outside the forward. Prints each
+processing), `execute_model`'s time outside the forward, and the forward's
+in the target's attention layers (forward hooks) and outside them. Prints each
 part's median over the steps at the full batch without a new prompt (and
 over those with one), per engine and pooled over twins, and AdaFlash's
 excess over plain per part: what AdaFlash adds to a step of the steady
@@ -59,16 +60,29 @@ def _timed(record: dict, label: str, method):
 
 def _instrument(llm) -> dict[str, float]:
     """Time the parts of `llm`'s steps into a dict it returns (seconds of the
-    step in progress, reset by the caller before each step)."""
+    step in progress, reset by the caller before each step), the target's
+    attention layers inside its forward too (forward hooks)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
     core = llm.llm_engine.engine_core.engine_core
-    owners = {
-        "scheduler": core.scheduler,
-        "runner": core.model_executor.driver_worker.worker.model_runner,
-    }
-    record = dict.fromkeys((label for label, _, _ in _PARTS), 0.0)
+    runner = core.model_executor.driver_worker.worker.model_runner
+    owners = {"scheduler": core.scheduler, "runner": runner}
+    record = dict.fromkeys([label for label, _, _ in _PARTS] + ["attention"], 0.0)
     for label, owner, name in _PARTS:
         obj = owners[owner]
         setattr(obj, name, _timed(record, label, getattr(obj, name)))
+    started = [0.0]
+
+    def before(module, args):
+        started[0] = time.perf_counter()
+
+    def after(module, args, output):
+        record["attention"] += time.perf_counter() - started[0]
+
+    for module in runner.model.modules():  # the target's (not the drafter's)
+        if isinstance(module, Attention):
+            module.register_forward_pre_hook(before)
+            module.register_forward_hook(after)
     return record
 
 
@@ -182,7 +196,11 @@ def main() -> None:
         args.steps,
         progress=lambda r: tqdm(r, desc="steps", unit="step", mininterval=10),
     )
-    labels = ["step"] + [label for label, _, _ in _PARTS] + ["outside_forward", "rest"]
+    labels = (
+        ["step"]
+        + [label for label, _, _ in _PARTS]
+        + ["attention", "forward_but_attention", "outside_forward", "rest"]
+    )
 
     def rows(name: str, new_prompt: bool) -> list[dict[str, float]]:
         stream = next(s for s in streams if s.name == name)
@@ -195,6 +213,7 @@ def main() -> None:
             row = {"step": st.seconds, **rec}
             # execute_model's time holds the forward's: the rest is outside both
             row["outside_forward"] = rec["execute_model"] - rec["forward"]
+            row["forward_but_attention"] = rec["forward"] - rec["attention"]
             row["rest"] = st.seconds - sum(
                 rec[k] for k in ("schedule", "execute_model", "sample_tokens", "update")
             )
