@@ -784,7 +784,7 @@ def _wrap_prepare_inputs(orig: Callable) -> Callable:
         if self.speculative_config is None:  # plain vLLM, or W10's plain step
             return orig(self, scheduler_output, num_scheduled_tokens)  # (W5 counts)
         if (
-            # AdaFlash's proposer (a runner without speculative decoding has none)
+            # AdaFlash's proposer (another proposer keeps vLLM's path)
             hasattr(getattr(self, "drafter", None), "take_budgets")
             and not any(scheduler_output.scheduled_spec_decode_tokens.values())
             and _without_recurrent_state(self)

@@ -369,20 +369,18 @@ def test_decode_steps_within_marked_blocks_read_no_slot():
     proposer = _short_path_proposer(gates)
     proposer._runner.input_batch.req_ids = list("abcd")
     steady = _four_requests(gates)
-    reads = []
+    reads = []  # the steps that read their slots, by index
 
-    def step(slots, num_tokens=4):
+    def step(index, slots, num_reqs=4, num_tokens=4):
         def read():
-            reads.append(len(reads_done))
+            reads.append(index)
             return torch.tensor(slots)
 
-        AdaFlashProposer._skip_steadily(proposer, steady, 4, num_tokens, read)
-        reads_done.append(1)
+        AdaFlashProposer._skip_steadily(proposer, steady, num_reqs, num_tokens, read)
 
-    reads_done: list[int] = []
     every = [[1, 8, 13, 22], [2, 9, 14, 23], [3, 10, 15, 40], [4, 11, 16, 41]]
-    for slots in every:
-        step(slots)
+    for index, slots in enumerate(every):
+        step(index, slots)
     assert reads == [0, 2, 3]  # the second step read nothing
     full = RetiredContext(4)
     full.retire(list("abcd"), [s for slots in every for s in slots])
@@ -390,6 +388,13 @@ def test_decode_steps_within_marked_blocks_read_no_slot():
     assert proposer.retired.dropped_tokens == 16
     assert gates.current.skipped_steps == 4 and proposer.steady_steps == 4
     # a step with a prompt chunk (more tokens than requests) reads its slots
-    step(list(range(44, 52)), num_tokens=8)
+    step(4, list(range(44, 52)), num_tokens=8)
     assert reads[-1] == 4 and steady.quiet == 0
     assert proposer.retired.dropped_tokens == 24
+    # a decode step leaves one quiet step (offsets 1, 0, 0, 2), but "d" has
+    # finished: the batch changed, and the step reads its slots
+    step(5, [53, 60, 64, 74])
+    assert reads[-1] == 5 and steady.quiet == 1
+    proposer._runner.input_batch.req_ids = list("abc")
+    step(6, [54, 61, 65], num_reqs=3, num_tokens=3)
+    assert reads[-1] == 6 and proposer.retired.dropped_tokens == 31
